@@ -1,0 +1,62 @@
+"""kvcore: the KV-cache bookkeeping layer of an LLM serving engine.
+
+The core holds the ownership record (``ReqKvInfo``), the pools, the release
+paths, streaming sessions, the invariant checker and the plugin mechanism;
+backends (radix, swa, ...) are separate distributions found through the
+``kvcore`` entry-point group.
+"""
+
+from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
+from kvcore.chunk_cache import ChunkCache
+from kvcore.config import CacheConfig, CacheInitParams, KvBufferConfig, TreeCacheConfig
+from kvcore.errors import BackendNotFound, DeviceUnavailable, InvariantViolation, KvcoreError, PluginError
+from kvcore.factory import ConfigError, create_cache
+from kvcore.hookspecs import hookimpl, hookspec
+from kvcore.invariants import InvariantChecker
+from kvcore.keys import RadixKey
+from kvcore.plugins import available_backends, available_eviction_policies, plugin_failures
+from kvcore.pools import MHATokenToKVPool, ReqToTokenPool, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvcore.record import Req, ReqKvInfo
+from kvcore.release import cache_unfinished_req, free_swa_out_of_window_slots, release_kv_cache
+from kvcore.session import SessionSlot, StreamingSession
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendNotFound",
+    "BasePrefixCache",
+    "CacheConfig",
+    "CacheInitParams",
+    "ChunkCache",
+    "ConfigError",
+    "DeviceUnavailable",
+    "EvictResult",
+    "InsertResult",
+    "InvariantChecker",
+    "InvariantViolation",
+    "KvBufferConfig",
+    "KvcoreError",
+    "LockResult",
+    "MHATokenToKVPool",
+    "MatchResult",
+    "PluginError",
+    "RadixKey",
+    "Req",
+    "ReqKvInfo",
+    "ReqToTokenPool",
+    "SWATokenToKVPoolAllocator",
+    "SessionSlot",
+    "SlotOwner",
+    "StreamingSession",
+    "TokenToKVPoolAllocator",
+    "TreeCacheConfig",
+    "available_backends",
+    "available_eviction_policies",
+    "cache_unfinished_req",
+    "create_cache",
+    "free_swa_out_of_window_slots",
+    "hookimpl",
+    "hookspec",
+    "plugin_failures",
+    "release_kv_cache",
+]

@@ -1,0 +1,3 @@
+from kvcore.cli import main
+
+main()

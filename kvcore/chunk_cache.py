@@ -1,0 +1,72 @@
+"""The built-in ``chunk`` backend: chunked prefill without prefix reuse."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult
+from kvcore.keys import as_radix_key
+
+if TYPE_CHECKING:
+    from kvcore.config import CacheInitParams
+    from kvcore.record import Req
+
+__all__ = ["ChunkCache"]
+
+
+class ChunkCache(BasePrefixCache):
+    """No prefix tree: a request's KV lives and dies with the request.
+
+    ``match_prefix`` always matches nothing and ``insert`` stores nothing; the
+    class is public so that authors can build on it (SWA's chunk cache does).
+    """
+
+    def __init__(self, params: CacheInitParams):
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.config = params.config
+        self.kv_pool = params.kv_pool
+        self.device = self.token_to_kv_pool_allocator.device
+        self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def is_chunk_cache(self) -> bool:
+        return True
+
+    @property
+    def disable(self) -> bool:
+        return True
+
+    def match_prefix(self, key) -> MatchResult:
+        as_radix_key(key)
+        return MatchResult(device_indices=self._empty, last_device_node=None, best_match_node=None)
+
+    def insert(self, key, value: torch.Tensor | None = None) -> InsertResult:
+        key = as_radix_key(key)
+        if value is not None and len(value) != len(key):
+            raise ValueError(f"value has {len(value)} slots but the key has {len(key)} tokens")
+        return InsertResult(prefix_len=0)
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        # The protected prefix is not this request's to free.
+        self.free_kv_row(req.kv, [(req.kv.cache_protected_len, req.kv.kv_committed_len)])
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len]
+        req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+
+    def evict(self, num_tokens: int) -> EvictResult:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return EvictResult()
+
+    def inc_lock_ref(self, node: Any) -> LockResult:
+        return LockResult(delta=0)
+
+    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        return LockResult(delta=0)
+
+    def pretty_print(self) -> str:
+        return ""

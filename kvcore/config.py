@@ -1,0 +1,111 @@
+"""Validated backend options and what a backend factory receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["CacheConfig", "TreeCacheConfig", "KvBufferConfig", "CacheInitParams", "EvictionPolicyName"]
+
+EvictionPolicyName = str  # validated against the registered policies by tree backends
+
+
+class KvBufferConfig(BaseModel):
+    """Shape of the per-layer K/V data buffers (only built when asked for)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(2, gt=0)
+    head_dim: int = Field(64, gt=0)
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+
+
+class CacheConfig(BaseModel):
+    """The options every backend takes: the pools it runs on.
+
+    A backend with options of its own subclasses this model; ``create_cache``
+    validates the caller's keyword arguments against it.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: int = Field(65536, gt=0, description="token slots in the KV pool")
+    page_size: int = Field(1, gt=0, description="tokens per page")
+    max_num_reqs: int = Field(256, gt=0, description="req_to_token rows")
+    max_context_len: int = Field(8192, gt=0, description="row width: the longest request in tokens")
+    device: str = Field("cpu", description="cpu, cuda, cuda:N or npu")
+    kv_buffer: KvBufferConfig | None = Field(None, description="also allocate K/V data buffers of this shape")
+
+    @model_validator(mode="after")
+    def _check_page_alignment(self):
+        if self.size % self.page_size:
+            raise ValueError(
+                f"size={self.size} is not a multiple of page_size={self.page_size}; "
+                f"use a size such as {(self.size // self.page_size + 1) * self.page_size}"
+            )
+        if self.max_context_len % self.page_size:
+            raise ValueError(
+                f"max_context_len={self.max_context_len} is not a multiple of page_size={self.page_size}"
+            )
+        return self
+
+    # Pools follow the config, so a backend whose pools differ (SWA) overrides these.
+    def build_req_to_token_pool(self):
+        from kvcore.pools import ReqToTokenPool
+
+        return ReqToTokenPool(self.max_num_reqs, self.max_context_len, device=self.device)
+
+    def build_allocator(self):
+        from kvcore.pools import TokenToKVPoolAllocator
+
+        return TokenToKVPoolAllocator(self.size, page_size=self.page_size, device=self.device)
+
+    def build_kv_buffer(self):
+        if self.kv_buffer is None:
+            return None
+        import torch
+
+        from kvcore.pools import MHATokenToKVPool
+
+        kb = self.kv_buffer
+        return MHATokenToKVPool(
+            self.size,
+            page_size=self.page_size,
+            dtype=getattr(torch, kb.dtype),
+            head_num=kb.num_heads,
+            head_dim=kb.head_dim,
+            layer_num=kb.num_layers,
+            device=self.device,
+        )
+
+
+class TreeCacheConfig(CacheConfig):
+    """Options of prefix-tree backends."""
+
+    eviction_policy: str = Field("lru", description="lru, lfu, fifo, mru, filo, priority, slru or a plugin's")
+    enable_kv_events: bool = Field(False, description="record stored/removed page events for take_events()")
+    disable: bool = Field(False, description="match nothing, insert nothing")
+
+
+@dataclass(slots=True)
+class CacheInitParams:
+    """What a backend factory is called with: built pools and the validated config."""
+
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    page_size: int
+    config: CacheConfig
+    kv_pool: Any = None
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> "CacheInitParams":
+        return cls(
+            req_to_token_pool=config.build_req_to_token_pool(),
+            token_to_kv_pool_allocator=config.build_allocator(),
+            page_size=config.page_size,
+            config=config,
+            kv_pool=config.build_kv_buffer(),
+        )

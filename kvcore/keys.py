@@ -1,0 +1,88 @@
+"""Cache keys: token ids, optionally namespaced by an extra key."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+__all__ = ["RadixKey", "KeyLike", "as_radix_key"]
+
+
+class RadixKey:
+    """A token-id sequence in a namespace.
+
+    Keys with different ``extra_key`` values (LoRA ids, cache salts) never share
+    a prefix.  Slicing keeps the namespace.
+    """
+
+    __slots__ = ("token_ids", "extra_key")
+
+    def __init__(self, token_ids: Sequence[int], extra_key: str | None = None):
+        self.token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        self.extra_key = extra_key
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return RadixKey(self.token_ids[item], self.extra_key)
+        return self.token_ids[item]
+
+    def __iter__(self):
+        return iter(self.token_ids)
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, RadixKey)
+            and self.extra_key == other.extra_key
+            and self.token_ids == other.token_ids
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.extra_key, tuple(self.token_ids)))
+
+    def __repr__(self) -> str:
+        ids = self.token_ids if len(self.token_ids) <= 8 else f"{self.token_ids[:8]}...+{len(self.token_ids) - 8}"
+        return f"RadixKey({ids}, extra_key={self.extra_key!r})"
+
+
+KeyLike = Union[RadixKey, Sequence[int], torch.Tensor]
+
+
+def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
+    """Turn a key-like value into a RadixKey, or raise naming what is wrong.
+
+    Accepts a RadixKey, a list/tuple/range of ints, or a 1-D integer tensor.
+    Token ids must be non-negative ints.
+    """
+    if isinstance(key, RadixKey):
+        ids = key.token_ids
+        result = key
+    elif isinstance(key, torch.Tensor):
+        if key.dim() != 1 or key.is_floating_point() or key.is_complex():
+            raise TypeError(f"a tensor key must be a 1-D integer tensor, got shape {tuple(key.shape)} dtype {key.dtype}")
+        ids = key.tolist()
+        result = RadixKey(ids)
+    elif isinstance(key, (list, tuple, range)):
+        ids = list(key)
+        result = RadixKey(ids)
+    else:
+        raise TypeError(
+            f"a key must be a RadixKey, a list of token ids or a 1-D integer tensor, got {type(key).__name__}"
+        )
+    if validate and ids:
+        # min() runs in C and fails on non-numbers; the first-element test catches floats
+        # cheaply without a per-token Python loop on the scheduler's hot path.
+        try:
+            lowest = min(ids)
+        except TypeError:
+            raise TypeError(f"token ids must be ints, got {[type(t).__name__ for t in ids[:3]]}...") from None
+        if type(ids[0]) is not int or type(lowest) is not int:
+            bad = next((t for t in ids if type(t) is not int), ids[0])
+            raise TypeError(f"token ids must be ints, got {type(bad).__name__} ({bad!r})")
+        if lowest < 0:
+            raise ValueError(f"token ids must be non-negative, got {lowest}")
+    return result

@@ -1,0 +1,269 @@
+"""Plugin discovery: entry-point group ``kvcore``, the backend and policy registries.
+
+Loading is lazy (on the first lookup) and isolated: a plugin that fails to import,
+fails validation or raises while registering is recorded with its error and the
+others still load.  ``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-ins;
+``KVCORE_BLOCK_PLUGINS=a,b`` skips entry points by name.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable
+
+import pluggy
+
+from kvcore import hookspecs
+from kvcore.config import CacheConfig
+from kvcore.errors import PluginError
+
+__all__ = [
+    "BackendSpec",
+    "PluginFailure",
+    "available_backends",
+    "available_eviction_policies",
+    "get_backend",
+    "get_eviction_policy",
+    "get_plugin_manager",
+    "plugin_failures",
+    "reset_plugins",
+    "DISABLE_AUTOLOAD_ENV",
+    "BLOCK_ENV",
+]
+
+DISABLE_AUTOLOAD_ENV = "KVCORE_DISABLE_PLUGIN_AUTOLOAD"
+BLOCK_ENV = "KVCORE_BLOCK_PLUGINS"
+ENTRY_POINT_GROUP = "kvcore"
+_BUILTIN_MODULES = ("kvcore.builtin_backends",)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    name: str
+    factory: Callable[..., Any]
+    config: type[CacheConfig]
+    description: str
+    distribution: str
+    version: str
+    plugin: str
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "plugin": self.plugin,
+            "description": self.description,
+            "factory": f"{getattr(self.factory, '__module__', '?')}.{getattr(self.factory, '__qualname__', repr(self.factory))}",
+            "config": f"{self.config.__module__}.{self.config.__qualname__}",
+            "options": sorted(self.config.model_fields),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFailure:
+    plugin: str
+    distribution: str
+    error: str
+
+    def to_json(self) -> dict:
+        return {"plugin": self.plugin, "distribution": self.distribution, "error": self.error}
+
+
+@dataclass(slots=True)
+class _Origin:
+    plugin: str
+    distribution: str
+    version: str
+
+
+@dataclass
+class _State:
+    pm: pluggy.PluginManager
+    origins: dict[str, _Origin] = field(default_factory=dict)
+    backends: dict[str, BackendSpec] = field(default_factory=dict)
+    policies: dict[str, tuple[Callable[[], Any], _Origin]] = field(default_factory=dict)
+    failures: list[PluginFailure] = field(default_factory=list)
+    conflicts: dict[str, str] = field(default_factory=dict)
+
+
+_state: _State | None = None
+_lock = threading.Lock()
+
+
+def _kvcore_version() -> str:
+    try:
+        return metadata.version("kvcore")
+    except metadata.PackageNotFoundError:
+        from kvcore import __version__
+
+        return __version__
+
+
+def _blocked_names() -> set[str]:
+    return {n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()}
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _load() -> _State:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    state = _State(pm=pm)
+
+    import importlib
+
+    for modname in _BUILTIN_MODULES:
+        module = importlib.import_module(modname)
+        pm.register(module, name=modname)
+        state.origins[modname] = _Origin(modname, "kvcore", _kvcore_version())
+    pm.check_pending()
+
+    if os.environ.get(DISABLE_AUTOLOAD_ENV, "") not in ("", "0", "false", "False"):
+        _collect(state)
+        return state
+
+    blocked = _blocked_names()
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if ep.name in blocked:
+            pm.set_blocked(ep.name)
+            continue
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        dist = ep.dist.name if ep.dist is not None else "?"
+        version = ep.dist.version if ep.dist is not None else "?"
+        try:
+            module = ep.load()
+        except Exception as exc:  # a broken plugin must not stop the others
+            state.failures.append(PluginFailure(ep.name, dist, f"import failed: {_describe(exc)}"))
+            continue
+        try:
+            pm.register(module, name=ep.name)
+            # A misspelt hookimpl fails here, loudly, for this plugin only.
+            pm.check_pending()
+        except Exception as exc:
+            if pm.get_plugin(ep.name) is not None:
+                pm.unregister(name=ep.name)
+            state.failures.append(PluginFailure(ep.name, dist, f"invalid plugin: {_describe(exc)}"))
+            continue
+        state.origins[ep.name] = _Origin(ep.name, dist, version)
+    _collect(state)
+    return state
+
+
+def _collect(state: _State) -> None:
+    """Call each plugin's registration hooks one by one, so each knows who is calling."""
+    pm = state.pm
+    claims: dict[str, list[BackendSpec]] = {}
+
+    for impl in pm.hook.kvcore_register_backends.get_hookimpls():
+        origin = state.origins.get(impl.plugin_name, _Origin(impl.plugin_name, "?", "?"))
+        mine: list[BackendSpec] = []
+
+        def register(name: str, factory: Callable[..., Any], config: type[CacheConfig] = CacheConfig,
+                     description: str = "", *, _origin=origin, _mine=mine) -> None:
+            if not isinstance(name, str) or not name:
+                raise PluginError(f"backend name must be a non-empty string, got {name!r}")
+            if not callable(factory):
+                raise PluginError(f"backend {name!r}: factory {factory!r} is not callable")
+            if not (isinstance(config, type) and issubclass(config, CacheConfig)):
+                raise PluginError(f"backend {name!r}: config must subclass kvcore.CacheConfig, got {config!r}")
+            if any(s.name == name for s in _mine):
+                raise PluginError(f"backend {name!r} registered twice by {_origin.distribution}")
+            doc = description or (getattr(factory, "__doc__", None) or "").strip().split("\n")[0]
+            _mine.append(BackendSpec(name, factory, config, doc, _origin.distribution, _origin.version, _origin.plugin))
+
+        try:
+            impl.function(register=register)
+        except Exception as exc:
+            state.failures.append(PluginFailure(origin.plugin, origin.distribution, f"registration failed: {_describe(exc)}"))
+            continue
+        for spec in mine:
+            claims.setdefault(spec.name, []).append(spec)
+
+    for name, specs in claims.items():
+        if len(specs) == 1:
+            state.backends[name] = specs[0]
+            continue
+        dists = " and ".join(f"{s.distribution} (plugin {s.plugin})" for s in specs)
+        message = f"backend {name!r} is registered by both {dists}; uninstall one or block it with {BLOCK_ENV}"
+        state.conflicts[name] = message
+        for s in specs:
+            state.failures.append(PluginFailure(s.plugin, s.distribution, message))
+
+    for impl in pm.hook.kvcore_register_eviction_policies.get_hookimpls():
+        origin = state.origins.get(impl.plugin_name, _Origin(impl.plugin_name, "?", "?"))
+
+        def register_policy(name: str, factory: Callable[[], Any], *, _origin=origin) -> None:
+            if name in state.policies and state.policies[name][1].distribution != _origin.distribution:
+                raise PluginError(
+                    f"eviction policy {name!r} is registered by both "
+                    f"{state.policies[name][1].distribution} and {_origin.distribution}"
+                )
+            state.policies[name] = (factory, _origin)
+
+        try:
+            impl.function(register=register_policy)
+        except Exception as exc:
+            state.failures.append(PluginFailure(origin.plugin, origin.distribution, f"policy registration failed: {_describe(exc)}"))
+
+
+def _get_state() -> _State:
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = _load()
+    return _state
+
+
+def reset_plugins() -> None:
+    """Forget what was loaded; the next lookup loads again (tests, env changes)."""
+    global _state
+    with _lock:
+        _state = None
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    return _get_state().pm
+
+
+def available_backends() -> dict[str, BackendSpec]:
+    """Every usable backend by name: factory, config model, description, distribution, version."""
+    return dict(sorted(_get_state().backends.items()))
+
+
+def plugin_failures() -> list[PluginFailure]:
+    return list(_get_state().failures)
+
+
+def get_backend(name: str) -> BackendSpec:
+    from kvcore.errors import BackendNotFound
+
+    state = _get_state()
+    if name in state.conflicts:
+        raise BackendNotFound(state.conflicts[name])
+    try:
+        return state.backends[name]
+    except KeyError:
+        known = ", ".join(sorted(state.backends)) or "none"
+        raise BackendNotFound(f"unknown backend {name!r}; known backends: {known}") from None
+
+
+def available_eviction_policies() -> list[str]:
+    return sorted(_get_state().policies)
+
+
+def get_eviction_policy(name: str) -> Callable[[], Any]:
+    """The factory of eviction policy ``name``; ValueError lists the known ones."""
+    policies = _get_state().policies
+    try:
+        return policies[name][0]
+    except KeyError:
+        known = ", ".join(sorted(policies)) or "none (is kvcore-radix installed?)"
+        raise ValueError(f"unknown eviction_policy {name!r}; known policies: {known}") from None

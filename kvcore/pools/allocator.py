@@ -1,0 +1,246 @@
+"""Token-slot allocator: a FIFO free list of pages kept in a ring buffer."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["TokenToKVPoolAllocator"]
+
+Lens = torch.Tensor | Sequence[int]
+
+
+def _cpu_lens(x: Lens) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=torch.int64).reshape(-1)
+    return torch.as_tensor(list(x), dtype=torch.int64).reshape(-1)
+
+
+class TokenToKVPoolAllocator:
+    """Hands out token slots (whole pages when ``page_size > 1``).
+
+    Page 0 is padding and never handed out, so slot ids lie in
+    ``[page_size, size + page_size)``.  The free list has SGLang's order with
+    ``need_sort=False`` (take from the front, give back at the end), but lives in
+    a fixed ring buffer so alloc and free cost O(slots moved), not O(pool size).
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size={page_size} must be positive")
+        if size <= 0 or size % page_size:
+            raise ValueError(f"size={size} must be positive and a multiple of page_size={page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.device = device
+        self.num_pages = size // page_size
+        self._ring = torch.empty(self.num_pages, dtype=torch.int64, device=device)
+        # Indexed by page id; page 0 stays False so freeing padding reads as a double free.
+        self._is_free = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=device)
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        self.clear()
+
+    # ---- state -------------------------------------------------------------
+
+    def clear(self) -> None:
+        torch.arange(1, self.num_pages + 1, out=self._ring)
+        self._head = 0
+        self._count = self.num_pages
+        self._is_free.fill_(True)
+        self._is_free[0] = False
+        self._group: list[torch.Tensor] | None = None
+
+    def available_size(self) -> int:
+        return self._count * self.page_size
+
+    def free_slots(self) -> torch.Tensor:
+        return self._expand(self._peek(self._count))
+
+    # ---- ring buffer -------------------------------------------------------
+
+    def _peek(self, k: int) -> torch.Tensor:
+        """A copy of the first k free pages; changes nothing."""
+        end = self._head + k
+        if end <= self.num_pages:
+            return self._ring[self._head : end].clone()
+        return torch.cat((self._ring[self._head :], self._ring[: end - self.num_pages]))
+
+    def _pop(self, pages: torch.Tensor) -> None:
+        """Commit taking ``pages`` (the result of _peek) off the front."""
+        k = pages.numel()
+        if k:
+            self._is_free[pages] = False
+            self._head = (self._head + k) % self.num_pages
+            self._count -= k
+
+    def _push(self, pages: torch.Tensor) -> None:
+        k = pages.numel()
+        if not k:
+            return
+        tail = (self._head + self._count) % self.num_pages
+        first = min(k, self.num_pages - tail)
+        self._ring[tail : tail + first] = pages[:first]
+        if k > first:
+            self._ring[: k - first] = pages[first:]
+        self._is_free[pages] = True
+        self._count += k
+
+    def _expand(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return pages
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
+    # ---- validation --------------------------------------------------------
+
+    def _as_slots(self, indices: Any) -> torch.Tensor:
+        if not isinstance(indices, torch.Tensor):
+            indices = list(indices)
+            if not indices:
+                return torch.empty(0, dtype=torch.int64, device=self.device)
+            indices = torch.as_tensor(indices)
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ValueError(f"slot indices must be integers, got dtype {indices.dtype}")
+        return indices.reshape(-1).to(device=self.device, dtype=torch.int64)
+
+    def _checked_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pages to give back for ``slots``; raises ValueError (changing nothing) on a bad slot."""
+        p = self.page_size
+        in_range = (slots >= p) & (slots < self.size + p)
+        # Out-of-range slots read as padding page 0 so the lookups below stay in bounds.
+        pages = torch.where(in_range, slots, 0) // p
+        if p > 1:
+            # Several slots of one page in one call are normal; SGLang frees unique pages.
+            pages = torch.unique(pages)
+            dup = torch.zeros((), dtype=torch.bool, device=pages.device)
+        else:
+            s = torch.sort(pages).values
+            dup = (s[1:] == s[:-1]).any()
+        # One host sync for all three checks.
+        bad_range, double, has_dup = torch.stack((~in_range.all(), self._is_free[pages].any(), dup)).tolist()
+        if bad_range:
+            bad = int(slots[~in_range][0])
+            raise ValueError(
+                f"slot {bad} is padding or out of range: valid slots are [{p}, {self.size + p})"
+            )
+        if double:
+            page = int(pages[self._is_free[pages]][0])
+            what = f"slot {page}" if p == 1 else f"page {page} (slots {page * p}..{page * p + p - 1})"
+            raise ValueError(f"{what} is already free (double free)")
+        if has_dup:
+            s = torch.sort(pages).values
+            slot = int(s[1:][s[1:] == s[:-1]][0])
+            raise ValueError(f"slot {slot} appears twice in one free (double free)")
+        return pages
+
+    # ---- alloc / free ------------------------------------------------------
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if need_size < 0:
+            raise ValueError(f"need_size={need_size} must be >= 0")
+        if need_size % self.page_size:
+            raise ValueError(f"need_size={need_size} is not a multiple of page_size={self.page_size}")
+        k = need_size // self.page_size
+        if k > self._count:
+            return None
+        pages = self._peek(k)
+        self._pop(pages)
+        return self._expand(pages)
+
+    def free(self, free_index: Any) -> None:
+        slots = self._as_slots(free_index)
+        if slots.numel() == 0:
+            return
+        pages = self._checked_pages(slots)
+        if self._group is not None:
+            # Checked now for an early error; the caller may reuse its tensor, so keep a copy.
+            self._group.append(slots.clone())
+            return
+        self._push(pages)
+
+    def free_group_begin(self) -> None:
+        self._group = []
+
+    def free_group_end(self) -> None:
+        pending, self._group = self._group, None
+        if pending:
+            self.free(torch.cat(pending))
+
+    # ---- batched paged allocation (SGLang's alloc_extend / alloc_decode) ----
+
+    def num_new_pages_extend(self, prefix_lens_cpu: Lens, seq_lens_cpu: Lens) -> int:
+        p = self.page_size
+        pre, seq = _cpu_lens(prefix_lens_cpu), _cpu_lens(seq_lens_cpu)
+        return int(((seq + p - 1) // p - (pre + p - 1) // p).sum())
+
+    def num_new_pages_decode(self, seq_lens_cpu: Lens) -> int:
+        # The new token sits at seq_len - 1; a page starts there iff that is aligned.
+        return int(((_cpu_lens(seq_lens_cpu) - 1) % self.page_size == 0).sum())
+
+    def alloc_extend(
+        self,
+        prefix_lens: Lens,
+        prefix_lens_cpu: Lens,
+        seq_lens: Lens,
+        seq_lens_cpu: Lens,
+        last_loc: Lens,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> torch.Tensor | None:
+        pre_cpu, seq_cpu = _cpu_lens(prefix_lens_cpu), _cpu_lens(seq_lens_cpu)
+        if pre_cpu.numel() != seq_cpu.numel():
+            raise ValueError(f"{pre_cpu.numel()} prefix lengths but {seq_cpu.numel()} sequence lengths")
+        ext_cpu = seq_cpu - pre_cpu
+        if bool((ext_cpu < 0).any()) or int(ext_cpu.sum()) != extend_num_tokens:
+            raise ValueError(
+                f"extend_num_tokens={extend_num_tokens} does not match seq_lens - prefix_lens"
+                f" (sum {int(ext_cpu.sum())}, all must be >= 0)"
+            )
+        p = self.page_size
+        if p == 1:
+            return self.alloc(extend_num_tokens)
+        if num_new_pages is None:
+            num_new_pages = self.num_new_pages_extend(pre_cpu, seq_cpu)
+        if num_new_pages > self._count:
+            return None
+        pages = self._peek(num_new_pages)
+
+        dev = self.device
+        pre = torch.as_tensor(prefix_lens, dtype=torch.int64, device=dev).reshape(-1)
+        seq = torch.as_tensor(seq_lens, dtype=torch.int64, device=dev).reshape(-1)
+        last = torch.as_tensor(last_loc, dtype=torch.int64, device=dev).reshape(-1)
+        ext = seq - pre
+        # num1: tokens that fit in the request's last partial page, right after last_loc.
+        num1 = torch.minimum(seq, (pre + p - 1) // p * p) - pre
+        new_per_req = (seq + p - 1) // p - (pre + p - 1) // p
+        first_new = torch.cumsum(new_per_req, 0) - new_per_req
+        first_tok = torch.cumsum(ext, 0) - ext
+        req = torch.repeat_interleave(
+            torch.arange(ext.numel(), device=dev), ext, output_size=extend_num_tokens
+        )
+        j = torch.arange(extend_num_tokens, dtype=torch.int64, device=dev) - first_tok[req]
+        k = (j - num1[req]).clamp(min=0)
+        # One padding entry keeps the gather in bounds for tokens that take no new page.
+        padded = torch.cat((pages, pages.new_zeros(1)))
+        fresh = padded[first_new[req] + k // p] * p + k % p
+        out = torch.where(j < num1[req], last[req] + 1 + j, fresh)
+        self._pop(pages)
+        return out
+
+    def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
+        p = self.page_size
+        if p == 1:
+            return self.alloc(_cpu_lens(seq_lens_cpu).numel())
+        num_new_pages = self.num_new_pages_decode(seq_lens_cpu)
+        if num_new_pages > self._count:
+            return None
+        pages = self._peek(num_new_pages)
+        dev = self.device
+        seq = torch.as_tensor(seq_lens, dtype=torch.int64, device=dev).reshape(-1)
+        last = torch.as_tensor(last_loc, dtype=torch.int64, device=dev).reshape(-1)
+        needs = (seq - 1) % p == 0
+        idx = (torch.cumsum(needs, 0) - 1).clamp(min=0)
+        padded = torch.cat((pages, pages.new_zeros(1)))
+        out = torch.where(needs, padded[idx] * p, last + 1)
+        self._pop(pages)
+        return out

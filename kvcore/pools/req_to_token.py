@@ -1,0 +1,68 @@
+"""Rows of the request -> token-slot table."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["ReqToTokenPool"]
+
+
+def _name(owner: Any) -> str:
+    rid = getattr(owner, "rid", None)
+    return f"request {rid!r}" if rid is not None else repr(owner)
+
+
+class ReqToTokenPool:
+    """A row of ``req_to_token`` per live request; rows are taken FIFO like SGLang."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+        if size <= 0 or max_context_len <= 0:
+            raise ValueError(f"size={size} and max_context_len={max_context_len} must be positive")
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.clear()
+
+    def clear(self) -> None:
+        # A deque keeps the front pop O(1); the flag list makes double-free checks O(1).
+        self._free: deque[int] = deque(range(self.size))
+        self._is_free = [True] * self.size
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def free_rows(self) -> list[int]:
+        return list(self._free)
+
+    def write(self, indices: Any, values: Any) -> None:
+        self.req_to_token[indices] = values
+
+    def alloc(self, reqs: Sequence[Any]) -> list[int] | None:
+        need: dict[int, Any] = {}
+        for r in reqs:
+            if r.kv.req_pool_idx is None:
+                # The same record listed twice must still get one row.
+                need.setdefault(id(r.kv), r.kv)
+        if len(need) > len(self._free):
+            return None
+        for kv in need.values():
+            row = self._free.popleft()
+            self._is_free[row] = False
+            kv.req_pool_idx = row
+        return [r.kv.req_pool_idx for r in reqs]
+
+    def free(self, owner: Any) -> None:
+        row = owner.kv.req_pool_idx
+        if row is None:
+            raise ValueError(f"{_name(owner)} holds no req_to_token row")
+        if not 0 <= row < self.size:
+            raise ValueError(f"{_name(owner)} holds row {row}, outside [0, {self.size})")
+        if self._is_free[row]:
+            raise ValueError(f"row {row} of {_name(owner)} is already free (double free)")
+        self._is_free[row] = True
+        self._free.append(row)
+        owner.kv.req_pool_idx = None

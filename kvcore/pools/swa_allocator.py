@@ -1,0 +1,190 @@
+"""Hybrid allocator: full-attention slots paired with sliding-window slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore.pools.allocator import Lens, TokenToKVPoolAllocator, _cpu_lens
+
+__all__ = ["SWATokenToKVPoolAllocator"]
+
+
+class SWATokenToKVPoolAllocator:
+    """A full pool and a window pool joined by ``full_to_swa_index_mapping`` (0 = no window slot).
+
+    The window side of a slot can die first (``free_swa``); ``free_full`` then
+    returns the full side alone.
+    """
+
+    def __init__(
+        self, size: int, size_swa: int, page_size: int = 1, device: str | torch.device = "cpu"
+    ) -> None:
+        self.page_size = page_size
+        self.device = device
+        self.full_attn_allocator = TokenToKVPoolAllocator(size, page_size, device)
+        self.swa_attn_allocator = TokenToKVPoolAllocator(size_swa, page_size, device)
+        # One extra trailing -1 so a last_loc of -1 (empty prefix) translates to -1.
+        self._mapping = torch.zeros(size + page_size + 1, dtype=torch.int64, device=device)
+        self._mapping[-1] = -1
+        self.full_to_swa_index_mapping = self._mapping[:-1]
+        self.clear()
+
+    @property
+    def size(self) -> int:
+        return min(self.size_full, self.size_swa)
+
+    @property
+    def size_full(self) -> int:
+        return self.full_attn_allocator.size
+
+    @property
+    def size_swa(self) -> int:
+        return self.swa_attn_allocator.size
+
+    def clear(self) -> None:
+        self.full_attn_allocator.clear()
+        self.swa_attn_allocator.clear()
+        self.full_to_swa_index_mapping.zero_()
+        self._group: list[torch.Tensor] | None = None
+        self._swa_group: list[torch.Tensor] = []
+        self._full_group: list[torch.Tensor] = []
+
+    def available_size(self) -> int:
+        return min(self.full_available_size(), self.swa_available_size())
+
+    def full_available_size(self) -> int:
+        return self.full_attn_allocator.available_size()
+
+    def swa_available_size(self) -> int:
+        return self.swa_attn_allocator.available_size()
+
+    def full_free_slots(self) -> torch.Tensor:
+        return self.full_attn_allocator.free_slots()
+
+    def swa_free_slots(self) -> torch.Tensor:
+        return self.swa_attn_allocator.free_slots()
+
+    def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
+        return self._mapping[self.full_attn_allocator._as_slots(indices)]
+
+    # ---- alloc -------------------------------------------------------------
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if need_size < 0 or need_size % self.page_size:
+            raise ValueError(f"need_size={need_size} must be >= 0 and a multiple of page_size={self.page_size}")
+        if need_size > self.available_size():
+            return None
+        full = self.full_attn_allocator.alloc(need_size)
+        swa = self.swa_attn_allocator.alloc(need_size)
+        assert full is not None and swa is not None
+        self.full_to_swa_index_mapping[full] = swa
+        return full
+
+    def alloc_extend(
+        self,
+        prefix_lens: Lens,
+        prefix_lens_cpu: Lens,
+        seq_lens: Lens,
+        seq_lens_cpu: Lens,
+        last_loc: Lens,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None:
+        if self.page_size == 1:
+            return self.alloc(extend_num_tokens)
+        n = self.full_attn_allocator.num_new_pages_extend(prefix_lens_cpu, seq_lens_cpu)
+        if n * self.page_size > self.available_size():
+            return None
+        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
+        full = self.full_attn_allocator.alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, n
+        )
+        swa = self.swa_attn_allocator.alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, swa_last_loc, extend_num_tokens, n
+        )
+        assert full is not None and swa is not None
+        self.full_to_swa_index_mapping[full] = swa
+        return full
+
+    def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
+        if self.page_size == 1:
+            return self.alloc(_cpu_lens(seq_lens_cpu).numel())
+        # Check both sides first: SGLang allocates one side before learning the other is short.
+        n = self.full_attn_allocator.num_new_pages_decode(seq_lens_cpu)
+        if n * self.page_size > self.available_size():
+            return None
+        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
+        full = self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        swa = self.swa_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, swa_last_loc)
+        assert full is not None and swa is not None
+        self.full_to_swa_index_mapping[full] = swa
+        return full
+
+    # ---- free --------------------------------------------------------------
+
+    def free(self, free_index: Any) -> None:
+        """Full side and (where still mapped) window side."""
+        full = self.full_attn_allocator
+        slots = full._as_slots(free_index)
+        if slots.numel() == 0:
+            return
+        if self._group is not None:
+            full._checked_pages(slots)
+            self._group.append(slots.clone())
+            return
+        full.free(slots)
+        self.free_swa(slots)
+
+    def free_full(self, free_index: Any) -> None:
+        """Full side only: the caller already released the window side."""
+        full = self.full_attn_allocator
+        slots = full._as_slots(free_index)
+        if slots.numel() == 0:
+            return
+        if self._group is not None:
+            full._checked_pages(slots)
+            self._full_group.append(slots.clone())
+            return
+        full.free(slots)
+
+    def free_swa(self, free_index: Any) -> None:
+        """Window side only; full slots without a window slot are skipped."""
+        full = self.full_attn_allocator
+        slots = full._as_slots(free_index)
+        if slots.numel() == 0:
+            return
+        p = self.page_size
+        in_range = (slots >= 0) & (slots < full.size + p)
+        if not bool(in_range.all()):
+            bad = int(slots[~in_range][0])
+            raise ValueError(f"slot {bad} is out of range: full slots are [{p}, {full.size + p})")
+        if p > 1:
+            slots = full._expand(torch.unique(slots // p))
+        swa = self.full_to_swa_index_mapping[slots]
+        swa = swa[swa > 0]
+        if self._group is not None:
+            # Resolve ownership now: a later action in the group may remap these full slots.
+            if swa.numel():
+                self.swa_attn_allocator._checked_pages(swa)
+            self._swa_group.append(swa)
+        else:
+            self.swa_attn_allocator.free(swa)
+        # Cleared only after the free succeeded, so an error changes nothing.
+        self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
+
+    def free_group_begin(self) -> None:
+        self._group = []
+        self._swa_group = []
+        self._full_group = []
+
+    def free_group_end(self) -> None:
+        pending, self._group = self._group, None
+        swa_pending, self._swa_group = self._swa_group, []
+        full_pending, self._full_group = self._full_group, []
+        if pending:
+            self.free(torch.cat(pending))
+        if swa_pending:
+            self.swa_attn_allocator.free(torch.cat(swa_pending))
+        if full_pending:
+            self.full_attn_allocator.free(torch.cat(full_pending))

@@ -1,0 +1,108 @@
+"""The core's release paths: finishing a request and freeing what left the window."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcore.record import ceil_align, floor_align
+
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache
+    from kvcore.record import Req
+
+__all__ = ["release_kv_cache", "cache_unfinished_req", "free_swa_out_of_window_slots"]
+
+
+def _check_released_iff_not_held(req: Req, when: str) -> None:
+    kv = req.kv
+    assert (not kv.is_held) == kv.is_released, (
+        f"request {req.rid!r} {when}: is_held={kv.is_held} but is_released={kv.is_released} "
+        f"(kv_allocated_len={kv.kv_allocated_len}, swa_evicted_seqlen={kv.swa_evicted_seqlen})"
+    )
+
+
+def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True) -> None:
+    """Finish ``req``: hand its KV to the cache, free the rest, give back its row.
+
+    Frees the over-allocation past the page-aligned committed length, calls the
+    cache's ``cache_finished_req`` (through its lifecycle hook), frees the row and
+    marks the record released.  A request that holds nothing is left as it is.
+    """
+    _check_released_iff_not_held(req, "before release")
+    if not req.kv.is_held:
+        return
+    kv = req.kv
+    if kv.kv_committed_len > kv.kv_allocated_len:
+        raise ValueError(
+            f"request {req.rid!r}: kv_committed_len={kv.kv_committed_len} > kv_allocated_len={kv.kv_allocated_len}"
+        )
+    committed = kv.kv_committed_len
+    hook = cache.hook
+    if hook is None:
+        cache.cache_finished_req(req, is_insert)
+    else:
+        hook.cache_finished_req(req=req, is_insert=is_insert)
+
+    # A streaming session may have taken the record over.
+    _check_released_iff_not_held(req, "after cache_finished_req")
+    if not req.kv.is_held:
+        return
+    start = committed
+    page_size = cache.token_to_kv_pool_allocator.page_size
+    if page_size > 1:
+        # The committed partial page went back with the cache's tail free.
+        start = ceil_align(start, page_size)
+    if start < kv.kv_allocated_len:
+        cache.free_kv_row(kv, [(start, kv.kv_allocated_len)])
+    cache.req_to_token_pool.free(req)
+    kv.mark_released()
+    _check_released_iff_not_held(req, "after release")
+
+
+def cache_unfinished_req(req: Req, cache: BasePrefixCache, chunked: bool = False) -> None:
+    """Cache ``req``'s committed prefix after a prefill chunk, through the lifecycle hook."""
+    hook = cache.hook
+    if hook is None:
+        cache.cache_unfinished_req(req, chunked)
+    else:
+        hook.cache_unfinished_req(req=req, chunked=chunked)
+
+
+def free_swa_out_of_window_slots(
+    req: Req,
+    pre_len: int,
+    *,
+    sliding_window_size: int,
+    page_size: int,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    is_chunk_cache: bool = False,
+    retain_floor: int | None = None,
+) -> None:
+    """Free ``req``'s window slots that fell out of the window, never below ``swa_dead_lo``.
+
+    Tree caches keep ``max(window, page)`` tokens so the last inserted leaf is never
+    all tombstone; chunk caches keep exactly the window.  ``retain_floor`` (tree
+    caches only) caps how far the cursor may move.
+    """
+    kv = req.kv
+    if not kv.is_held:
+        return
+    if kv.cache_protected_len % page_size:
+        raise ValueError(
+            f"request {req.rid!r}: cache_protected_len={kv.cache_protected_len} is not aligned to page_size={page_size}"
+        )
+    kv.swa_evicted_seqlen = max(kv.swa_evicted_seqlen, kv.swa_dead_lo(page_size))
+    if is_chunk_cache:
+        threshold = pre_len - sliding_window_size
+    else:
+        threshold = pre_len - max(sliding_window_size, page_size)
+        if retain_floor is not None:
+            threshold = min(threshold, retain_floor)
+    new_cursor = max(kv.swa_evicted_seqlen, threshold)
+    if page_size > 1:
+        new_cursor = floor_align(new_cursor, page_size)
+    if new_cursor > kv.swa_evicted_seqlen:
+        slots = req_to_token_pool.req_to_token[kv.req_pool_idx, kv.swa_evicted_seqlen:new_cursor]
+        token_to_kv_pool_allocator.free_swa(slots)
+        kv.swa_evicted_seqlen = new_cursor

@@ -1,0 +1,272 @@
+"""Streaming sessions: keep a finished turn's KV for the next turn of the conversation.
+
+``StreamingSession(cache)`` wraps any backend.  A request with a ``session_id``
+that finishes does not give its KV to the tree: the session's slot adopts the
+record (row, lengths, backend state) and, on the first turn, the tree lock.
+The next turn's ``match_prefix(key, req)`` hands the same record back, so the
+slot and the request share one ``ReqKvInfo``; turns are append-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from kvcore.cache import BasePrefixCache, EvictResult, LockResult, MatchResult, SlotOwner
+from kvcore.keys import as_radix_key
+from kvcore.record import ReqKvInfo, ceil_align, floor_align
+from kvcore.release import cache_unfinished_req as _dispatch_unfinished
+
+if TYPE_CHECKING:
+    from kvcore.record import Req
+
+__all__ = ["SessionSlot", "StreamingSession", "SessionNode"]
+
+
+class SessionNode:
+    """Stands in for a tree node while a request runs on a session's KV; locking it is a no-op."""
+
+    __slots__ = ("session_id",)
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+
+    def __repr__(self) -> str:
+        return f"SessionNode({self.session_id!r})"
+
+
+@dataclass(eq=False)
+class SessionSlot:
+    """The KV one conversation keeps between turns."""
+
+    session_id: str
+    kv: ReqKvInfo = field(default_factory=ReqKvInfo)
+    # The first turn's tree node and lock, held until the session is released.
+    last_node: Any = None
+    lock: LockResult | None = None
+    node: SessionNode = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.node is None:
+            self.node = SessionNode(self.session_id)
+
+    @property
+    def rid(self) -> str:
+        return f"session {self.session_id}"
+
+    def save_from_req(self, req: Req, is_first: bool) -> None:
+        """Adopt a finishing request's record (and, on the first turn, its tree lock)."""
+        if not is_first:
+            # Later turns ran on the slot's own record; the tree prefix cannot have moved.
+            assert req.kv is self.kv, f"{req.rid!r} does not run on session {self.session_id!r}'s record"
+            assert req.kv.cache_protected_len == self.kv.cache_protected_len
+        kv = req.detach_kv()
+        if is_first:
+            self.kv = kv
+            self.last_node = req.last_node
+            self.lock = req.lock
+        req.last_node = None
+        req.lock = None
+
+    def restore_to_req(self, req: Req) -> None:
+        """Share the slot's record with ``req``; the slot keeps it, so restoring twice is harmless."""
+        req.kv = self.kv
+        req.last_node = self.node
+        req.lock = None
+
+
+class StreamingSession(BasePrefixCache):
+    """Adds streaming-session save/restore on top of any backend."""
+
+    def __init__(self, inner: BasePrefixCache):
+        self.inner = inner
+        self.slots: dict[str, SessionSlot] = {}
+        self.hook = None  # lifecycle calls reach the inner cache's own hook
+
+    # -- what the inner cache runs on ------------------------------------
+    @property
+    def req_to_token_pool(self):
+        return self.inner.req_to_token_pool
+
+    @property
+    def token_to_kv_pool_allocator(self):
+        return self.inner.token_to_kv_pool_allocator
+
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    def __getattr__(self, name: str):
+        # Backend-specific attributes (sliding_window_size, ...) read through.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    # -- sessions ----------------------------------------------------------
+    def _active_slot(self, req: Req | None) -> SessionSlot | None:
+        if req is None or req.session_id is None:
+            return None
+        slot = self.slots.get(req.session_id)
+        return slot if slot is not None and slot.kv.is_held else None
+
+    def try_match_prefix(self, key, req: Req) -> MatchResult | None:
+        """Reuse the session's KV for ``req``, or None when the session holds none.
+
+        Reuse reaches up to the committed length (and never past the key); the
+        tail beyond it is freed so the new turn can overwrite those positions.
+        """
+        slot = self._active_slot(req)
+        if slot is None:
+            return None
+        key = as_radix_key(key)
+        kv = slot.kv
+        prefix_len = min(kv.kv_committed_len, len(key))
+        if prefix_len < kv.cache_protected_len:
+            raise ValueError(
+                f"session {slot.session_id!r}: the new turn shares only {prefix_len} tokens but the tree "
+                f"protects {kv.cache_protected_len}; streaming sessions are append-only"
+            )
+        page = self.page_size
+        # A rewind below the window cursor must land on a page boundary, or a page is freed twice.
+        if page > 1 and kv.swa_evicted_seqlen > prefix_len:
+            prefix_len = floor_align(prefix_len, page)
+        slot.restore_to_req(req)
+        self._free_tail(kv, prefix_len)
+        indices = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :prefix_len].to(torch.int64)
+        return MatchResult(
+            device_indices=indices,
+            last_device_node=slot.node,
+            best_match_node=slot.node,
+            cache_protected_len=kv.cache_protected_len,
+        )
+
+    def _free_tail(self, kv: ReqKvInfo, prefix_len: int) -> None:
+        start = ceil_align(prefix_len, self.page_size) if self.page_size > 1 else prefix_len
+        if start < kv.kv_allocated_len:
+            self.free_kv_row(kv, [(start, kv.kv_allocated_len)])
+        kv.kv_allocated_len = prefix_len
+        kv.kv_committed_len = min(kv.kv_committed_len, prefix_len)
+        kv.swa_evicted_seqlen = min(kv.swa_evicted_seqlen, prefix_len)
+
+    def release_session(self, session_id: str) -> int:
+        """Drop the session's tree lock, free ``[protected, allocated)`` and its row.
+
+        Returns the number of token slots freed; an unknown session frees nothing.
+        """
+        slot = self.slots.pop(session_id, None)
+        if slot is None:
+            return 0
+        if slot.last_node is not None:
+            self.inner.dec_lock_ref(slot.last_node, slot.lock)
+        freed = 0
+        kv = slot.kv
+        if kv.is_held:
+            freed = max(0, kv.kv_allocated_len - kv.cache_protected_len)
+            self.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
+            self.req_to_token_pool.free(slot)
+            kv.mark_released()
+        return freed
+
+    def session_slots(self) -> list[SessionSlot]:
+        return list(self.slots.values())
+
+    def session_held_tokens(self, active_pool_idxs: set[int] | None = None) -> int:
+        """Full-pool slots session slots hold outside the tree (not counting slots a live request runs on)."""
+        return sum(
+            ceil_align(s.kv.kv_allocated_len, self.page_size) - s.kv.cache_protected_len
+            for s in self._idle_slots(active_pool_idxs)
+        )
+
+    def session_held_swa_tokens(self, active_pool_idxs: set[int] | None = None) -> int:
+        return sum(
+            ceil_align(s.kv.kv_allocated_len, self.page_size) - max(s.kv.cache_protected_len, s.kv.swa_evicted_seqlen)
+            for s in self._idle_slots(active_pool_idxs)
+        )
+
+    def _idle_slots(self, active_pool_idxs: set[int] | None) -> Iterator[SessionSlot]:
+        for s in self.slots.values():
+            if s.kv.is_held and not (active_pool_idxs and s.kv.req_pool_idx in active_pool_idxs):
+                yield s
+
+    # -- BasePrefixCache ---------------------------------------------------
+    def match_prefix(self, key, req: Req | None = None) -> MatchResult:
+        result = self.try_match_prefix(key, req) if req is not None else None
+        return result if result is not None else self.inner.match_prefix(key)
+
+    def insert(self, key, value=None, **kwargs):
+        return self.inner.insert(key, value, **kwargs)
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        if req.session_id is None:
+            self._finish_inner(req, is_insert)
+            return
+        slot = self.slots.get(req.session_id)
+        is_first = slot is None
+        if is_first:
+            slot = self.slots[req.session_id] = SessionSlot(req.session_id)
+        kv = req.kv
+        kv.kv_committed_len = min(req.seqlen, kv.kv_allocated_len)
+        slot.save_from_req(req, is_first=is_first)
+
+    def _finish_inner(self, req: Req, is_insert: bool) -> None:
+        hook = self.inner.hook
+        if hook is None:
+            self.inner.cache_finished_req(req, is_insert)
+        else:
+            hook.cache_finished_req(req=req, is_insert=is_insert)
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        if req.session_id is not None:
+            if chunked or req.session_id in self.slots:
+                # The session keeps this KV itself; the tree is not told.
+                row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len]
+                req.prefix_indices = row.to(torch.int64, copy=True)
+                return
+        _dispatch_unfinished(req, self.inner, chunked)
+
+    def evict(self, num_tokens: int, *args, **kwargs) -> EvictResult:
+        return self.inner.evict(num_tokens, *args, **kwargs)
+
+    def inc_lock_ref(self, node: Any) -> LockResult:
+        if isinstance(node, SessionNode):
+            return LockResult()
+        return self.inner.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        if isinstance(node, SessionNode):
+            return LockResult()
+        return self.inner.dec_lock_ref(node, lock)
+
+    def reset(self) -> None:
+        for session_id in list(self.slots):
+            self.release_session(session_id)
+        self.inner.reset()
+
+    def evictable_size(self) -> int:
+        return self.inner.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.inner.protected_size()
+
+    def total_size(self) -> int:
+        return self.inner.total_size()
+
+    def take_events(self) -> list:
+        return self.inner.take_events()
+
+    def is_chunk_cache(self) -> bool:
+        return self.inner.is_chunk_cache()
+
+    def supports_swa(self) -> bool:
+        return self.inner.supports_swa()
+
+    def cached_sizes(self) -> dict[str, tuple[int, int]]:
+        return self.inner.cached_sizes()
+
+    def iter_owned_slots(self) -> Iterator[SlotOwner]:
+        return self.inner.iter_owned_slots()
+
+    def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:
+        self.inner.free_kv_row(kv, ranges)

@@ -1,0 +1,25 @@
+"""Entry point of kvcore-radix (group ``kvcore``): the ``radix`` backend and the tree eviction policies."""
+
+try:
+    from kvcore import hookimpl
+except ImportError:  # pragma: no cover - a core without the top-level marker
+    from kvcore.hookspecs import hookimpl
+
+from kvcore_radix.policies import BUILTIN_POLICIES
+from kvcore_radix.radix_cache import RadixCache, RadixConfig
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register(
+        "radix",
+        RadixCache,
+        config=RadixConfig,
+        description="Radix-tree prefix cache with page-aligned reuse, locks and pluggable eviction (SGLang RadixCache)",
+    )
+
+
+@hookimpl
+def kvcore_register_eviction_policies(register):
+    for name, factory in BUILTIN_POLICIES.items():
+        register(name, factory)

@@ -1,0 +1,128 @@
+"""Eviction policies of tree backends (SGLang's evict_policy semantics).
+
+A policy is any object with ``get_priority(node)``; the evictable leaf with the
+smallest priority goes first.  Nodes carry ``last_access_time``,
+``creation_time``, ``hit_count`` and ``priority``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = [
+    "EvictionStrategy",
+    "LRUStrategy",
+    "LFUStrategy",
+    "FIFOStrategy",
+    "MRUStrategy",
+    "FILOStrategy",
+    "PriorityStrategy",
+    "SLRUStrategy",
+    "BUILTIN_POLICIES",
+    "resolve_policy",
+]
+
+
+class EvictionStrategy:
+    """Base class; subclasses return a sortable priority, smallest evicted first."""
+
+    def get_priority(self, node: Any):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class LRUStrategy(EvictionStrategy):
+    """Least recently used first."""
+
+    def get_priority(self, node):
+        return node.last_access_time
+
+
+class LFUStrategy(EvictionStrategy):
+    """Least frequently hit first, then least recently used."""
+
+    def get_priority(self, node):
+        return (node.hit_count, node.last_access_time)
+
+
+class FIFOStrategy(EvictionStrategy):
+    """Oldest node first."""
+
+    def get_priority(self, node):
+        return node.creation_time
+
+
+class MRUStrategy(EvictionStrategy):
+    """Most recently used first."""
+
+    def get_priority(self, node):
+        return -node.last_access_time
+
+
+class FILOStrategy(EvictionStrategy):
+    """Newest node first."""
+
+    def get_priority(self, node):
+        return -node.creation_time
+
+
+class PriorityStrategy(EvictionStrategy):
+    """Lowest request priority first, then least recently used."""
+
+    def get_priority(self, node):
+        return (node.priority, node.last_access_time)
+
+
+class SLRUStrategy(EvictionStrategy):
+    """Segmented LRU: nodes hit fewer than ``protected_threshold`` times go first."""
+
+    def __init__(self, protected_threshold: int = 2):
+        self.protected_threshold = protected_threshold
+
+    def get_priority(self, node):
+        return (1 if node.hit_count >= self.protected_threshold else 0, node.last_access_time)
+
+
+BUILTIN_POLICIES: dict[str, Callable[[], EvictionStrategy]] = {
+    "lru": LRUStrategy,
+    "lfu": LFUStrategy,
+    "fifo": FIFOStrategy,
+    "mru": MRUStrategy,
+    "filo": FILOStrategy,
+    "priority": PriorityStrategy,
+    "slru": SLRUStrategy,
+}
+
+
+def resolve_policy(name: str) -> EvictionStrategy:
+    """Build policy ``name`` from kvcore's registry (so plugins can add policies).
+
+    Falls back to the built-in table when the core registry is unavailable or
+    does not know the name (e.g. plugin autoload disabled).  An unknown name
+    raises ValueError listing every known policy.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"eviction_policy must be a string, got {type(name).__name__}")
+    key = name.lower()
+    known: set[str] = set(BUILTIN_POLICIES)
+    factory = None
+    try:
+        from kvcore.plugins import available_eviction_policies, get_eviction_policy
+    except ImportError:  # an older core without a policy registry
+        get_eviction_policy = available_eviction_policies = None
+    if get_eviction_policy is not None:
+        try:
+            factory = get_eviction_policy(key)
+        except (LookupError, ValueError):
+            factory = None
+        try:
+            known.update(available_eviction_policies())
+        except Exception:  # pragma: no cover - registry failure is reported elsewhere
+            pass
+    if factory is None:
+        factory = BUILTIN_POLICIES.get(key)
+    if factory is None:
+        raise ValueError(f"unknown eviction policy {name!r}; known policies: {', '.join(sorted(known))}")
+    policy = factory()
+    if not callable(getattr(policy, "get_priority", None)):
+        raise TypeError(f"eviction policy {name!r}: {policy!r} has no get_priority(node)")
+    return policy
