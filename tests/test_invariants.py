@@ -1,0 +1,109 @@
+"""The checker must fail, naming slot and owner, on each kind of broken accounting."""
+
+import pytest
+import torch
+
+from kvcore import InvariantChecker, InvariantViolation, Req, create_cache
+
+
+def cache_with_request(page_size=1, n=6):
+    cache = create_cache("chunk", size=32, page_size=page_size, max_num_reqs=4, max_context_len=32)
+    req = Req("victim", list(range(n)))
+    cache.req_to_token_pool.alloc([req])
+    slots = cache.token_to_kv_pool_allocator.alloc(n if page_size == 1 else page_size * 2)
+    cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : slots.numel()] = slots.to(torch.int32)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = n
+    return cache, req, slots
+
+
+def test_clean_state_passes_and_reports_balance():
+    cache, req, _ = cache_with_request()
+    (report,) = InvariantChecker(cache).check([req])
+    assert report.balanced and report.uncached == 6 and report.available == 26
+
+
+def test_leaked_slot_is_named():
+    cache, req, slots = cache_with_request()
+    lost = cache.token_to_kv_pool_allocator.alloc(2)  # nobody records these
+    with pytest.raises(InvariantViolation, match=rf"slot {int(lost[0])} leaked"):
+        InvariantChecker(cache).check([req])
+
+
+def test_forgotten_owner_shows_as_leak():
+    cache, req, slots = cache_with_request()
+    with pytest.raises(InvariantViolation, match="rows leaked"):
+        InvariantChecker(cache).check([])  # the request is alive but not passed
+
+
+def test_owned_and_free_slot_names_slot_and_owner():
+    cache, req, slots = cache_with_request()
+    cache.token_to_kv_pool_allocator.free(slots[2:3])  # freed behind the owner's back
+    with pytest.raises(InvariantViolation, match=rf"slot {int(slots[2])} is in the free list but owned by request 'victim'"):
+        InvariantChecker(cache).check([req])
+
+
+def test_paged_use_after_free_names_the_page():
+    cache, req, slots = cache_with_request(page_size=4, n=6)
+    cache.token_to_kv_pool_allocator.free(slots[4:5])  # the whole second page goes back
+    page = int(slots[4]) // 4
+    with pytest.raises(InvariantViolation, match=rf"page {page} .* owned by request 'victim'"):
+        InvariantChecker(cache).check([req])
+
+
+class _DoubleFreeView:
+    """An allocator whose free list lists a slot twice, as a buggy one would."""
+
+    def __init__(self, inner, dup):
+        self._inner, self._dup = inner, dup
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def free_slots(self):
+        return torch.cat([self._inner.free_slots(), torch.tensor([self._dup])])
+
+    def available_size(self):
+        return self._inner.available_size() + 1
+
+
+def test_double_free_is_named():
+    cache, req, slots = cache_with_request()
+    free_slot = int(cache.token_to_kv_pool_allocator.free_slots()[0])
+    cache.token_to_kv_pool_allocator = _DoubleFreeView(cache.token_to_kv_pool_allocator, free_slot)
+    with pytest.raises(InvariantViolation, match=rf"slot {free_slot} is in the free list twice"):
+        InvariantChecker(cache).check([req])
+
+
+def test_allocator_itself_refuses_a_double_free():
+    cache, req, slots = cache_with_request()
+    alloc = cache.token_to_kv_pool_allocator
+    alloc.free(slots[:1])
+    before = alloc.available_size()
+    with pytest.raises(ValueError):
+        alloc.free(slots[:1])
+    assert alloc.available_size() == before
+
+
+def test_record_out_of_bounds():
+    cache, req, slots = cache_with_request()
+    req.kv.kv_committed_len = 7
+    with pytest.raises(InvariantViolation, match="request 'victim': record out of bounds: committed=7 allocated=6"):
+        InvariantChecker(cache).check([req])
+
+
+def test_two_records_on_one_row():
+    cache, req, slots = cache_with_request()
+    other = Req("intruder", [1])
+    other.kv.req_pool_idx = req.kv.req_pool_idx
+    with pytest.raises(InvariantViolation, match="held by both request 'victim' and request 'intruder'"):
+        InvariantChecker(cache).check([req, other])
+
+
+def test_slot_owned_twice():
+    cache, req, slots = cache_with_request()
+    other = Req("copycat", [1, 2])
+    cache.req_to_token_pool.alloc([other])
+    cache.req_to_token_pool.req_to_token[other.kv.req_pool_idx, :2] = slots[:2].to(torch.int32)
+    other.kv.kv_allocated_len = other.kv.kv_committed_len = 2
+    with pytest.raises(InvariantViolation, match="owned by more than one owner: request 'victim', request 'copycat'"):
+        InvariantChecker(cache).check([req, other])
