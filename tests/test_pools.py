@@ -22,8 +22,13 @@ class Owner:
         self.kv = ReqKvInfo(req_pool_idx=idx)
 
 
-class RefFifo:
-    """SGLang's need_sort=False free list as a plain list of pages."""
+class RefFreeList:
+    """SGLang's need_sort=False free list as a plain list of pages.
+
+    Alloc takes from the front.  Freed slots go to the back when page_size == 1
+    (``TokenToKVPoolAllocator.free``); freed pages, unique and ascending, go to the
+    front when paged (``PagedTokenToKVPoolAllocator._release_page_ids``).
+    """
 
     def __init__(self, size: int, p: int) -> None:
         self.p = p
@@ -38,9 +43,9 @@ class RefFifo:
 
     def free(self, slots: list[int]) -> None:
         if self.p == 1:
-            self.pages += slots
+            self.pages = self.pages + slots
         else:
-            self.pages += sorted({s // self.p for s in slots})
+            self.pages = sorted({s // self.p for s in slots}) + self.pages
 
     def slots(self) -> list[int]:
         return [pg * self.p + o for pg in self.pages for o in range(self.p)]
@@ -68,36 +73,41 @@ def state(a: TokenToKVPoolAllocator) -> tuple[int, list[int]]:
 # ---- ReqToTokenPool ---------------------------------------------------------
 
 
-def test_req_pool_shape_and_fifo_rows() -> None:
+def test_req_pool_shape_and_stack_rows() -> None:
     pool = ReqToTokenPool(3, 8)
-    assert pool.req_to_token.shape == (3, 8) and pool.req_to_token.dtype == torch.int32
+    # Row 0 is padding: size + 1 rows, rows 1..size usable, free list starts [1..size].
+    assert pool.req_to_token.shape == (4, 8) and pool.req_to_token.dtype == torch.int32
     assert (pool.size, pool.max_context_len, pool.device) == (3, 8, "cpu")
+    assert pool.free_rows() == [1, 2, 3] and pool.available_size() == 3
     a, b, c = Owner("a"), Owner("b"), Owner("c")
-    assert pool.alloc([a, b]) == [0, 1]
-    assert pool.free_rows() == [2]
+    # A stack: the last two free rows, handed out in request order.
+    assert pool.alloc([a, b]) == [2, 3]
+    assert pool.free_rows() == [1]
     pool.free(a)
-    assert a.kv.req_pool_idx is None and pool.free_rows() == [2, 0]
-    assert pool.alloc([c, b]) == [2, 1]  # b keeps its row
-    assert pool.available_size() == 1
-    assert pool.alloc([a]) == [0] and pool.available_size() == 0
+    assert a.kv.req_pool_idx is None and pool.free_rows() == [1, 2]
+    assert pool.alloc([c, b]) == [2, 3]  # b keeps its row; c takes the row freed last
+    assert pool.free_rows() == [1] and pool.available_size() == 1
+    assert pool.alloc([a]) == [1] and pool.available_size() == 0
+    assert pool.free_rows() == []
+    assert pool.alloc([Owner("d")]) is None
 
 
 def test_req_pool_alloc_short_changes_nothing() -> None:
     pool = ReqToTokenPool(2, 4)
     a, b, c = Owner("a"), Owner("b"), Owner("c")
-    pool.alloc([a])
+    assert pool.alloc([a]) == [2]
     assert pool.alloc([b, c]) is None
     assert b.kv.req_pool_idx is None and c.kv.req_pool_idx is None
     assert pool.free_rows() == [1]
-    assert pool.alloc([a, b]) == [0, 1]  # held rows need no free row
-    assert pool.alloc([]) == []
+    assert pool.alloc([a, b]) == [2, 1]  # held rows need no free row
+    assert pool.alloc([]) == [] and pool.free_rows() == []
 
 
 def test_req_pool_same_record_twice_gets_one_row() -> None:
     pool = ReqToTokenPool(2, 4)
     a = Owner("a")
-    assert pool.alloc([a, a]) == [0, 0]
-    assert pool.available_size() == 1
+    assert pool.alloc([a, a]) == [2, 2]
+    assert pool.available_size() == 1 and pool.free_rows() == [1]
 
 
 def test_req_pool_free_errors() -> None:
@@ -108,21 +118,26 @@ def test_req_pool_free_errors() -> None:
     pool.alloc([a])
     stale = Owner("stale", idx=a.kv.req_pool_idx)
     pool.free(a)
-    with pytest.raises(ValueError, match="row 0 of request 'stale' is already free"):
+    with pytest.raises(ValueError, match="row 2 of request 'stale' is already free"):
         pool.free(stale)
     with pytest.raises(ValueError, match="outside"):
         pool.free(Owner("x", idx=7))
-    assert pool.free_rows() == [1, 0] and stale.kv.req_pool_idx == 0
+    with pytest.raises(ValueError, match="outside"):
+        pool.free(Owner("x", idx=3))  # one past the last usable row
+    with pytest.raises(ValueError, match="holds row 0, outside"):
+        pool.free(Owner("pad", idx=0))  # the padding row is never handed out
+    assert pool.free_rows() == [1, 2] and stale.kv.req_pool_idx == 2
 
 
 def test_req_pool_write_and_clear() -> None:
     pool = ReqToTokenPool(2, 4)
     a = Owner("a")
-    pool.alloc([a])
-    pool.write((0, slice(0, 3)), torch.tensor([5, 6, 7], dtype=torch.int32))
-    assert pool.req_to_token[0].tolist() == [5, 6, 7, 0]
+    assert pool.alloc([a]) == [2]
+    pool.write((2, slice(0, 3)), torch.tensor([5, 6, 7], dtype=torch.int32))
+    assert pool.req_to_token[2].tolist() == [5, 6, 7, 0]
+    assert pool.req_to_token[[0, 1]].abs().sum() == 0  # padding row and free row untouched
     pool.clear()
-    assert pool.free_rows() == [0, 1]
+    assert pool.free_rows() == [1, 2] and pool.available_size() == 2
 
 
 # ---- TokenToKVPoolAllocator: construction, alloc ---------------------------
@@ -170,15 +185,23 @@ def test_alloc_bad_sizes_change_nothing() -> None:
 
 
 @pytest.mark.parametrize("p", [1, 4])
-def test_free_appends_at_back(p: int) -> None:
-    a, ref = TokenToKVPoolAllocator(16, p), RefFifo(16, p)
+def test_free_order_back_or_front(p: int) -> None:
+    a, ref = TokenToKVPoolAllocator(16, p), RefFreeList(16, p)
     x = a.alloc(12)
     assert x.tolist() == ref.alloc(12)
     back = x[[5, 0, 9]] if p == 1 else x[[9, 0, 1]]
     a.free(back)
     ref.free(back.tolist())
     assert a.free_slots().tolist() == ref.slots()
-    assert a.alloc(4).tolist() == ref.alloc(4)
+    if p == 1:
+        # Slots go to the back in the order given.
+        assert a.free_slots().tolist() == [13, 14, 15, 16, 6, 1, 10]
+    else:
+        # Pages 3 and 1 go to the front, unique and ascending, ahead of free page 4.
+        assert a.free_slots().tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 16, 17, 18, 19]
+    got = a.alloc(4)
+    assert got.tolist() == ref.alloc(4) == ([13, 14, 15, 16] if p == 1 else [4, 5, 6, 7])
+    assert a.free_slots().tolist() == ref.slots()
 
 
 def test_free_accepts_lists_and_int_dtypes() -> None:
@@ -201,6 +224,10 @@ def test_paged_free_gives_back_whole_pages() -> None:
     a.free(torch.tensor([13, 5, 6, 14]))
     assert a.free_slots().tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
     assert a.available_size() == 8
+    # A later free goes in front of those.
+    a.free(torch.tensor([18, 9]))
+    assert a.free_slots().tolist() == [8, 9, 10, 11, 16, 17, 18, 19, 4, 5, 6, 7, 12, 13, 14, 15]
+    assert a.alloc(8).tolist() == [8, 9, 10, 11, 16, 17, 18, 19]
 
 
 @pytest.mark.parametrize(
@@ -247,14 +274,14 @@ def test_returned_tensor_does_not_alias_free_list() -> None:
     assert sorted(a.free_slots().tolist()) == list(range(1, 9))
 
 
-# ---- ring wrap-around against the reference ---------------------------------
+# ---- random ops against the reference (page_size 1 wraps the ring) ----------
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
-def test_random_ops_match_reference_fifo(p: int) -> None:
+def test_random_ops_match_reference_free_list(p: int) -> None:
     rng = random.Random(p)
     size = 32
-    a, ref = TokenToKVPoolAllocator(size, p), RefFifo(size, p)
+    a, ref = TokenToKVPoolAllocator(size, p), RefFreeList(size, p)
     held: list[int] = []
     for _ in range(400):
         if rng.random() < 0.5:
@@ -286,13 +313,20 @@ def test_random_ops_match_reference_fifo(p: int) -> None:
 @pytest.mark.parametrize("p", [1, 4])
 def test_free_group_applies_at_end(p: int) -> None:
     a = TokenToKVPoolAllocator(16, p)
-    x = a.alloc(16)
+    x = a.alloc(12)
+    rest = a.free_slots().tolist()
+    assert len(rest) == 4
     a.free_group_begin()
     a.free(x[p : 2 * p])
     a.free(x[:p])
-    assert a.available_size() == 0
+    assert a.available_size() == 4 and a.free_slots().tolist() == rest
     a.free_group_end()
-    assert a.free_slots().tolist() == (x[p : 2 * p].tolist() + x[:p].tolist() if p == 1 else x[: 2 * p].tolist())
+    if p == 1:
+        # One free of the group's slots in call order, at the back.
+        assert a.free_slots().tolist() == rest + x[p : 2 * p].tolist() + x[:p].tolist()
+    else:
+        # One free of the group's unique pages, ascending, at the front.
+        assert a.free_slots().tolist() == x[: 2 * p].tolist() + rest
 
 
 def test_free_group_errors() -> None:
@@ -337,7 +371,10 @@ def test_alloc_extend_matches_reference(p: int) -> None:
         size = p * rng.randint(1, 24)
         a = TokenToKVPoolAllocator(size, p)
         held = a.alloc(size // 2 // p * p)
-        a.free(held[: held.numel() // 2])  # rotate the free list
+        # Two frees put pages in front out of ascending order: [later freed..., first freed..., never used...].
+        q = held.numel() // p
+        a.free(held[: q // 4 * p])
+        a.free(held[q // 4 * p : q // 2 * p])
         prefix, seq, last = [], [], []
         for _ in range(rng.randint(1, 4)):
             q = rng.randint(0, 3 * p)
@@ -366,7 +403,8 @@ def test_alloc_decode_matches_reference(p: int) -> None:
     for _ in range(60):
         size = p * rng.randint(1, 12)
         a = TokenToKVPoolAllocator(size, p)
-        a.alloc(rng.randint(0, size // p) * p)
+        held = a.alloc(rng.randint(0, size // p) * p)
+        a.free(held[: held.numel() // p // 2 * p])  # freed pages go in front
         seq = [rng.randint(1, 4 * p) for _ in range(rng.randint(1, 6))]
         last = [rng.randrange(1, size // p + 1) * p + (s - 2) % p if s > 1 else -1 for s in seq]
         pages = [s // p for s in a.free_slots().tolist()[::p]]
@@ -520,15 +558,22 @@ def test_swa_paged_free_swa_expands_pages() -> None:
     a.free_swa(full[1:2])  # one slot frees its whole page's window slots
     assert a.translate_loc_from_full_to_swa(full).tolist() == [0, 0, 0, 0, 8, 9, 10, 11]
     assert a.swa_available_size() == 12 and a.full_available_size() == 8
+    assert a.swa_free_slots().tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 16, 17, 18, 19]  # page 1 in front
     a.free(full)
     assert (a.full_available_size(), a.swa_available_size()) == (16, 16)
-    assert a.swa_free_slots().tolist()[-8:] == [4, 5, 6, 7, 8, 9, 10, 11]
+    # Full side: pages 1, 2 in front; window side: page 2 (still mapped) in front of page 1.
+    assert a.full_free_slots().tolist() == list(range(4, 20))
+    assert a.swa_free_slots().tolist() == [8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15, 16, 17, 18, 19]
 
 
 def test_swa_paged_extend_and_decode() -> None:
     p = 4
     a = SWATokenToKVPoolAllocator(32, 16, page_size=p)
-    a.swa_attn_allocator.free(a.swa_attn_allocator.alloc(8))  # rotate the window free list
+    w = a.swa_attn_allocator.alloc(16)
+    # Freed pages go in front, so two frees reorder the window free list to pages [3, 4, 1, 2].
+    a.swa_attn_allocator.free(w[:8])
+    a.swa_attn_allocator.free(w[8:])
+    assert a.swa_free_slots().tolist() == list(range(12, 20)) + list(range(4, 12))
     got = a.alloc_extend(torch.tensor([0, 0]), [0, 0], torch.tensor([5, 3]), [5, 3], torch.tensor([-1, -1]), 8)
     assert got.tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
     swa = a.translate_loc_from_full_to_swa(got).tolist()

@@ -1,4 +1,10 @@
-"""Random alloc/free sequences over the pools, checked against plain-list FIFO models."""
+"""Random alloc/free sequences over the pools, checked against plain-list models of SGLang's free lists.
+
+Request rows: row 0 is padding, rows 1..size start free as [1..size]; the list is a
+stack (alloc takes the tail, free appends).  Token slots: alloc takes the front;
+freed slots go to the back when page_size == 1, freed pages (unique, ascending)
+to the front when paged.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ class Owner:
 
 
 class RefPages:
-    """The free list as SGLang keeps it with need_sort=False."""
+    """The token free list as SGLang keeps it with need_sort=False (back when p == 1, front when paged)."""
 
     def __init__(self, size: int, p: int) -> None:
         self.p = p
@@ -32,7 +38,10 @@ class RefPages:
         return out
 
     def give(self, slots: list[int]) -> None:
-        self.pages += slots if self.p == 1 else sorted({s // self.p for s in slots})
+        if self.p == 1:
+            self.pages = self.pages + slots
+        else:
+            self.pages = sorted({s // self.p for s in slots}) + self.pages
 
     def slots(self) -> list[int]:
         return [pg * self.p + o for pg in self.pages for o in range(self.p)]
@@ -49,7 +58,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         p = self.P
         self.rows = ReqToTokenPool(ROWS, 8)
-        self.ref_rows = list(range(ROWS))
+        self.ref_rows = list(range(1, ROWS + 1))  # row 0 is padding; a stack, taken from the tail
         self.owners = [Owner(i) for i in range(6)]
         self.alloc = TokenToKVPoolAllocator(SIZE, p)
         self.ref = RefPages(SIZE, p)
@@ -70,8 +79,11 @@ class PoolMachine(RuleBasedStateMachine):
         if len(need) > len(self.ref_rows):
             assert got is None and all(r.kv.req_pool_idx is None for r in need)
             return
-        for r in need:
-            assert r.kv.req_pool_idx == self.ref_rows.pop(0)
+        if need:
+            # The last len(need) free rows, assigned in request order.
+            take = self.ref_rows[-len(need):]
+            del self.ref_rows[-len(need):]
+            assert [r.kv.req_pool_idx for r in need] == take
         assert got == [r.kv.req_pool_idx for r in reqs]
 
     @rule(data=st.data())
@@ -245,6 +257,7 @@ class PoolMachine(RuleBasedStateMachine):
         free = self.rows.free_rows()
         assert free == self.ref_rows
         assert len(set(free)) == len(free) and not set(free) & set(held)
+        assert len(set(held)) == len(held) and set(free) | set(held) == set(range(1, ROWS + 1))
         assert self.rows.available_size() + len(held) == ROWS
 
     @invariant()

@@ -1,4 +1,4 @@
-"""Token-slot allocator: a FIFO free list of pages kept in a ring buffer."""
+"""Token-slot allocator: SGLang's free-list order, kept in a ring buffer."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class TokenToKVPoolAllocator:
         self.device = device
         self.num_pages = size // page_size
         self._ring = torch.empty(self.num_pages, dtype=torch.int64, device=device)
-        # Indexed by page id; page 0 stays False so freeing padding reads as a double free.
-        self._is_free = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=device)
+        # Per page id: 1 when free, 0 when handed out (page 0 never is free).
+        self._free_cnt = torch.zeros(self.num_pages + 1, dtype=torch.int32, device=device)
+        self._ones = torch.ones(self.num_pages, dtype=torch.int32, device=device)
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
         self.clear()
 
@@ -47,8 +48,8 @@ class TokenToKVPoolAllocator:
         torch.arange(1, self.num_pages + 1, out=self._ring)
         self._head = 0
         self._count = self.num_pages
-        self._is_free.fill_(True)
-        self._is_free[0] = False
+        self._free_cnt.fill_(1)
+        self._free_cnt[0] = 0
         self._group: list[torch.Tensor] | None = None
 
     def available_size(self) -> int:
@@ -70,20 +71,33 @@ class TokenToKVPoolAllocator:
         """Commit taking ``pages`` (the result of _peek) off the front."""
         k = pages.numel()
         if k:
-            self._is_free[pages] = False
+            self._free_cnt.index_fill_(0, pages, 0)
             self._head = (self._head + k) % self.num_pages
             self._count -= k
 
     def _push(self, pages: torch.Tensor) -> None:
+        """Return pages already marked free by _checked_pages(commit=True).
+
+        SGLang appends freed slots at the back when page_size == 1 but puts freed
+        pages in front when paged; both are kept so that slot numbers agree.
+        """
         k = pages.numel()
         if not k:
+            return
+        if self.page_size > 1:
+            head = (self._head - k) % self.num_pages
+            first = min(k, self.num_pages - head)
+            self._ring[head : head + first] = pages[:first]
+            if k > first:
+                self._ring[: k - first] = pages[first:]
+            self._head = head
+            self._count += k
             return
         tail = (self._head + self._count) % self.num_pages
         first = min(k, self.num_pages - tail)
         self._ring[tail : tail + first] = pages[:first]
         if k > first:
             self._ring[: k - first] = pages[first:]
-        self._is_free[pages] = True
         self._count += k
 
     def _expand(self, pages: torch.Tensor) -> torch.Tensor:
@@ -103,35 +117,41 @@ class TokenToKVPoolAllocator:
             raise ValueError(f"slot indices must be integers, got dtype {indices.dtype}")
         return indices.reshape(-1).to(device=self.device, dtype=torch.int64)
 
-    def _checked_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """Pages to give back for ``slots``; raises ValueError (changing nothing) on a bad slot."""
+    def _checked_pages(self, slots: torch.Tensor, commit: bool = False) -> torch.Tensor:
+        """Pages to give back for ``slots``; raises ValueError (changing nothing) on a bad slot.
+
+        With ``commit`` the pages are also marked free (the caller then pushes them).
+        """
         p = self.page_size
-        in_range = (slots >= p) & (slots < self.size + p)
-        # Out-of-range slots read as padding page 0 so the lookups below stay in bounds.
-        pages = torch.where(in_range, slots, 0) // p
-        if p > 1:
-            # Several slots of one page in one call are normal; SGLang frees unique pages.
-            pages = torch.unique(pages)
-            dup = torch.zeros((), dtype=torch.bool, device=pages.device)
-        else:
-            s = torch.sort(pages).values
-            dup = (s[1:] == s[:-1]).any()
-        # One host sync for all three checks.
-        bad_range, double, has_dup = torch.stack((~in_range.all(), self._is_free[pages].any(), dup)).tolist()
-        if bad_range:
-            bad = int(slots[~in_range][0])
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        if lo < p or hi >= self.size + p:
             raise ValueError(
-                f"slot {bad} is padding or out of range: valid slots are [{p}, {self.size + p})"
+                f"slot {lo if lo < p else hi} is padding or out of range: valid slots are [{p}, {self.size + p})"
             )
-        if double:
-            page = int(pages[self._is_free[pages]][0])
+        # Several slots of one page in one call are normal when paged; SGLang frees unique pages.
+        pages = slots if p == 1 else torch.unique(slots // p)
+        k = pages.numel()
+        cnt = self._free_cnt
+        # After adding one per page every count must be exactly 1: a 2 is a double free
+        # or a page named twice, found in O(k) without sorting.
+        cnt.index_add_(0, pages, self._ones[:k])
+        ok = int(cnt[pages].sum()) == k
+        if not ok or not commit:
+            cnt.index_add_(0, pages, self._ones[:k], alpha=-1)
+        if not ok:
+            self._raise_bad(pages)
+        return pages
+
+    def _raise_bad(self, pages: torch.Tensor) -> None:
+        p = self.page_size
+        already = self._free_cnt[pages] != 0
+        if bool(already.any()):
+            page = int(pages[already][0])
             what = f"slot {page}" if p == 1 else f"page {page} (slots {page * p}..{page * p + p - 1})"
             raise ValueError(f"{what} is already free (double free)")
-        if has_dup:
-            s = torch.sort(pages).values
-            slot = int(s[1:][s[1:] == s[:-1]][0])
-            raise ValueError(f"slot {slot} appears twice in one free (double free)")
-        return pages
+        s = torch.sort(pages).values
+        slot = int(s[1:][s[1:] == s[:-1]][0])
+        raise ValueError(f"slot {slot} appears twice in one free (double free)")
 
     # ---- alloc / free ------------------------------------------------------
 
@@ -151,12 +171,12 @@ class TokenToKVPoolAllocator:
         slots = self._as_slots(free_index)
         if slots.numel() == 0:
             return
-        pages = self._checked_pages(slots)
         if self._group is not None:
             # Checked now for an early error; the caller may reuse its tensor, so keep a copy.
+            self._checked_pages(slots)
             self._group.append(slots.clone())
             return
-        self._push(pages)
+        self._push(self._checked_pages(slots, commit=True))
 
     def free_group_begin(self) -> None:
         self._group = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Sequence
 
 import torch
@@ -16,7 +15,11 @@ def _name(owner: Any) -> str:
 
 
 class ReqToTokenPool:
-    """A row of ``req_to_token`` per live request; rows are taken FIFO like SGLang."""
+    """A row of ``req_to_token`` per live request.
+
+    Like SGLang, row 0 is padding (the table has ``size + 1`` rows) and the free
+    list is a stack: rows are taken from its tail and freed rows go back there.
+    """
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
         if size <= 0 or max_context_len <= 0:
@@ -24,13 +27,13 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = device
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
         self.clear()
 
     def clear(self) -> None:
-        # A deque keeps the front pop O(1); the flag list makes double-free checks O(1).
-        self._free: deque[int] = deque(range(self.size))
-        self._is_free = [True] * self.size
+        # The flag list makes double-free checks O(1); row 0 is padding, never free.
+        self._free: list[int] = list(range(1, self.size + 1))
+        self._is_free = [False] + [True] * self.size
 
     def available_size(self) -> int:
         return len(self._free)
@@ -49,18 +52,20 @@ class ReqToTokenPool:
                 need.setdefault(id(r.kv), r.kv)
         if len(need) > len(self._free):
             return None
-        for kv in need.values():
-            row = self._free.popleft()
-            self._is_free[row] = False
-            kv.req_pool_idx = row
+        if need:
+            rows = self._free[-len(need):]
+            del self._free[-len(need):]
+            for kv, row in zip(need.values(), rows):
+                self._is_free[row] = False
+                kv.req_pool_idx = row
         return [r.kv.req_pool_idx for r in reqs]
 
     def free(self, owner: Any) -> None:
         row = owner.kv.req_pool_idx
         if row is None:
             raise ValueError(f"{_name(owner)} holds no req_to_token row")
-        if not 0 <= row < self.size:
-            raise ValueError(f"{_name(owner)} holds row {row}, outside [0, {self.size})")
+        if not 1 <= row <= self.size:
+            raise ValueError(f"{_name(owner)} holds row {row}, outside the pool's rows 1..{self.size}")
         if self._is_free[row]:
             raise ValueError(f"row {row} of {_name(owner)} is already free (double free)")
         self._is_free[row] = True

@@ -155,10 +155,9 @@ class SWATokenToKVPoolAllocator:
         if slots.numel() == 0:
             return
         p = self.page_size
-        in_range = (slots >= 0) & (slots < full.size + p)
-        if not bool(in_range.all()):
-            bad = int(slots[~in_range][0])
-            raise ValueError(f"slot {bad} is out of range: full slots are [{p}, {full.size + p})")
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        if lo < 0 or hi >= full.size + p:
+            raise ValueError(f"slot {lo if lo < 0 else hi} is out of range: full slots are [{p}, {full.size + p})")
         if p > 1:
             slots = full._expand(torch.unique(slots // p))
         swa = self.full_to_swa_index_mapping[slots]

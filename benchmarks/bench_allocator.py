@@ -1,0 +1,129 @@
+"""Free + alloc of one batch of slots, at several pool sizes.
+
+Compares kvcore's ring-buffer allocator with SGLang's (when importable) or else
+with a naive free list that, like SGLang, concatenates the whole free list on
+every free and slices it on every alloc.
+
+    python benchmarks/bench_allocator.py [--device cpu] [--batch 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable
+
+import torch
+
+try:
+    from kvcore.pools import TokenToKVPoolAllocator
+except ImportError:  # run from a checkout without installing
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvcore.pools import TokenToKVPoolAllocator
+
+
+class NaiveCatAllocator:
+    """SGLang's need_sort=False free list: torch.cat of the whole list on free."""
+
+    def __init__(self, size: int, page_size: int, device: str) -> None:
+        self.page_size = page_size
+        self.device = device
+        self.offsets = torch.arange(page_size, device=device)
+        self.free_pages = torch.arange(1, size // page_size + 1, dtype=torch.int64, device=device)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        k = need_size // self.page_size
+        if k > len(self.free_pages):
+            return None
+        out, self.free_pages = self.free_pages[:k], self.free_pages[k:]
+        if self.page_size == 1:
+            return out
+        return (out[:, None] * self.page_size + self.offsets).reshape(-1)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        pages = free_index if self.page_size == 1 else torch.unique(free_index // self.page_size)
+        self.free_pages = torch.cat((self.free_pages, pages))
+
+
+def sglang_factory() -> Callable[[int, int, str], Any] | None:
+    try:
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator as SglTokenAllocator
+    except Exception:
+        return None
+
+    def make(size: int, page_size: int, device: str) -> Any:
+        if page_size == 1:
+            return SglTokenAllocator(size, torch.float16, device, None, False)
+        return PagedTokenToKVPoolAllocator(size, page_size, torch.float16, device, None, False)
+
+    return make
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_free_alloc(alloc: Any, batch: int, iters: int, device: str, repeat: int = 3) -> float:
+    """Microseconds per (free one batch, alloc one batch); the pool stays almost all free,
+    so the free list is as long as the pool: the case a whole-list copy pays for."""
+    held = [alloc.alloc(batch) for _ in range(8)]
+    # Touch a few batches first so lazy init and caches settle.
+    for _ in range(10):
+        alloc.free(held.pop(0))
+        held.append(alloc.alloc(batch))
+    best = float("inf")
+    # Best of a few rounds: this measures the allocator, not other load on the machine.
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            alloc.free(held.pop(0))
+            held.append(alloc.alloc(batch))
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=256, help="slots per free and per alloc")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of --iters; the best is reported")
+    ap.add_argument("--sizes", default="65536,1048576,4194304", help="pool sizes in slots")
+    ap.add_argument("--page-sizes", default="1,16")
+    ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    args = ap.parse_args()
+
+    sgl = sglang_factory()
+    impls: dict[str, Callable[[int, int, str], Any]] = {
+        "kvcore": lambda s, p, d: TokenToKVPoolAllocator(s, p, d),
+        "sglang" if sgl else "naive-cat": sgl or NaiveCatAllocator,
+    }
+    rows = []
+    for p in (int(x) for x in args.page_sizes.split(",")):
+        for size in (int(x) for x in args.sizes.split(",")):
+            row: dict[str, Any] = {"page_size": p, "pool_slots": size, "batch": args.batch}
+            for name, make in impls.items():
+                us = time_free_alloc(make(size, p, args.device), args.batch, args.iters, args.device, args.repeat)
+                row[f"{name}_us"] = round(us, 2)
+            rows.append(row)
+
+    if args.json:
+        print(json.dumps({"device": args.device, "torch": torch.__version__, "rows": rows}, indent=2))
+        return
+    names = list(impls)
+    print(f"free+alloc of {args.batch}-slot batches, us per batch (device {args.device}, torch {torch.__version__})")
+    print(f"{'page':>5} {'pool slots':>11} " + " ".join(f"{n + ' us':>13}" for n in names))
+    for r in rows:
+        print(f"{r['page_size']:>5} {r['pool_slots']:>11} " + " ".join(f"{r[n + '_us']:>13.2f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()
