@@ -46,7 +46,8 @@ class NaiveCatAllocator:
 
     def free(self, free_index: torch.Tensor) -> None:
         pages = free_index if self.page_size == 1 else torch.unique(free_index // self.page_size)
-        self.free_pages = torch.cat((self.free_pages, pages))
+        # SGLang appends freed slots at the back, but puts freed pages in front.
+        self.free_pages = torch.cat((self.free_pages, pages) if self.page_size == 1 else (pages, self.free_pages))
 
 
 def sglang_factory() -> Callable[[int, int, str], Any] | None:
