@@ -128,7 +128,7 @@ class InvariantChecker:
                 raise InvariantViolation(f"req_to_token row {idx} is held by both {_owner_name(held_rows[idx])} and {name}")
             held_rows[idx] = owner
         if len(free_rows) + len(held_rows) != r2t.size:
-            lost = sorted(set(range(r2t.size)) - free_row_set - set(held_rows))
+            lost = sorted(set(range(1, r2t.size + 1)) - free_row_set - set(held_rows))
             raise InvariantViolation(
                 f"req_to_token rows leaked: {lost[:8]} are neither free nor held by any owner passed in"
             )
