@@ -70,10 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         typer.echo("kvcore: aborted", err=True)
         sys.exit(130)
-    except Exception as exc:  # click usage errors arrive as ClickException
-        import click
-
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:
+        # Usage errors are click's ClickException (vendored by newer typer): match its shape.
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             typer.echo(f"kvcore: error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Union
 
@@ -74,15 +75,21 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
             f"a key must be a RadixKey, a list of token ids or a 1-D integer tensor, got {type(key).__name__}"
         )
     if validate and ids:
-        # min() runs in C and fails on non-numbers; the first-element test catches floats
-        # cheaply without a per-token Python loop on the scheduler's hot path.
-        try:
-            lowest = min(ids)
-        except TypeError:
-            raise TypeError(f"token ids must be ints, got {[type(t).__name__ for t in ids[:3]]}...") from None
-        if type(ids[0]) is not int or type(lowest) is not int:
-            bad = next((t for t in ids if type(t) is not int), ids[0])
-            raise TypeError(f"token ids must be ints, got {type(bad).__name__} ({bad!r})")
-        if lowest < 0:
-            raise ValueError(f"token ids must be non-negative, got {lowest}")
+        _check_token_ids(ids)
     return result
+
+
+def _check_token_ids(ids) -> None:
+    # array("Q") converts in C and refuses floats, strings and negative numbers in one pass,
+    # so the scheduler's hot path pays no per-token Python loop for validation.
+    try:
+        array("Q", ids)
+    except (TypeError, OverflowError):
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})") from None
+            if t < 0:
+                raise ValueError(f"token ids must be non-negative, got {t}") from None
+            if t >= 1 << 64:
+                raise ValueError(f"token id {t} does not fit in 64 bits") from None
+        raise

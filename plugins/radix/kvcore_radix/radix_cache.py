@@ -10,15 +10,17 @@ concatenates once at the end.  One clock reading per call, ``__slots__`` nodes.
 from __future__ import annotations
 
 import heapq
+from array import array
 import itertools
 import sys
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams, TreeCacheConfig
+from pydantic import Field
 from kvcore.keys import KeyLike, RadixKey, as_radix_key
 from kvcore.record import floor_align
 
@@ -28,11 +30,41 @@ from kvcore_radix.policies import resolve_policy
 __all__ = ["RadixCache", "RadixConfig", "TreeNode"]
 
 _ids = itertools.count(1)
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def _validate(ids: list, start: int) -> None:
+    """Raise as ``kvcore.keys.as_radix_key`` does unless ``ids[start:]`` are non-negative ints.
+
+    ``array('Q', ...)`` checks type and sign in one C pass; only on failure does the
+    slower canonical validator run, to produce its error message.
+    """
+    if start >= len(ids):
+        return
+    rest = ids[start:] if start else ids
+    try:
+        array("Q", rest)
+        return
+    except (TypeError, OverflowError, ValueError):
+        pass
+    as_radix_key(RadixKey(rest))  # the canonical error, when it spots the bad id
+    for t in rest:
+        if not isinstance(t, int):
+            raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})")
+        if t < 0:
+            raise ValueError(f"token ids must be non-negative, got {t}")
+    raise ValueError(f"token ids must fit in 64 bits, got {max(rest)}")
 
 
 class RadixConfig(TreeCacheConfig):
     """Options of the ``radix`` backend: the common pool options plus
-    ``eviction_policy``, ``enable_kv_events`` and ``disable``."""
+    ``eviction_policy``, ``enable_kv_events``, ``disable`` and ``key_validation``."""
+
+    key_validation: Literal["full", "stored"] = Field(
+        "full",
+        description="full: every key is checked (TypeError/ValueError on bad ids); "
+        "stored: only ids the tree stores are checked, match_prefix skips the unmatched tail (faster)",
+    )
 
 
 class TreeNode:
@@ -123,6 +155,7 @@ class RadixCache(BasePrefixCache):
         self.disable = bool(getattr(config, "disable", False))
         self.enable_kv_events = bool(getattr(config, "enable_kv_events", False))
         self.eviction_policy = str(getattr(config, "eviction_policy", "lru")).lower()
+        self._check_match_tail = getattr(config, "key_validation", "full") != "stored"
         self.eviction_strategy = resolve_policy(self.eviction_policy)
         dev = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
         self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
@@ -194,52 +227,75 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ lookups
 
-    def match_prefix(self, key: KeyLike) -> MatchResult:
-        rk = as_radix_key(key)
-        ids = rk.token_ids
-        n = len(ids)
-        if self.disable or n == 0:
-            return self._empty_match
+    def _descend(self, ids: list, n: int, extra) -> tuple:
+        """Read-only walk: (full-match path, its length, node a match ends inside or None, tokens matched in it)."""
         ps = self.page_size
-        if ps > 1:
-            n -= n % ps
-            if n == 0:
-                return self._empty_match
-        now = self.clock()
-        node = self.root_node
-        node.last_access_time = now
-        extra = rk.extra_key
         ck = ids[0] if ps == 1 else tuple(ids[:ps])
         if extra is not None:
             ck = (extra, ck)
-        children = node.children
-        values = []
+        children = self.root_node.children
+        path = []
         pos = 0
         while True:
             child = children.get(ck)
             if child is None:
-                break
-            child.last_access_time = now
+                return path, pos, None, 0
             ckey = child.key
             end = pos + len(ckey)
             if end <= n and ids[pos:end] == ckey:
-                values.append(child.value)
-                node = child
+                path.append(child)
                 pos = end
                 if pos >= n:
-                    break
+                    return path, pos, None, 0
                 children = child.children
                 ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
                 continue
+            # The first page matched through the dict key, so m >= page_size here.
             m = _first_mismatch(ids, pos, ckey, min(len(ckey), n - pos))
             if ps > 1:
                 m -= m % ps
-            node = self._split_node(child, m)
-            values.append(node.value)
-            break
-        if not values:
+            return path, pos, child, m
+
+    def _walk(self, rk: RadixKey, n: int, check_tail: bool = True) -> tuple:
+        """``_descend`` plus validation of every token the walk did not prove equal to a cached one.
+
+        Cached keys hold only validated ids, so a token that compared equal to one
+        is a valid id; the rest of the key is checked in one C pass before anything
+        in the tree changes.
+        """
+        ids = rk.token_ids
+        try:
+            found = self._descend(ids, n, rk.extra_key)
+        except TypeError:  # an unhashable element: report it the canonical way
+            _validate(ids, 0)
+            raise
+        if check_tail:
+            _validate(ids, found[1] + found[3])
+        return found
+
+    def match_prefix(self, key: KeyLike) -> MatchResult:
+        rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
+        ids = rk.token_ids
+        n = len(ids)
+        ps = self.page_size
+        if ps > 1:
+            n -= n % ps
+        if self.disable or n == 0:
+            if self._check_match_tail:
+                _validate(ids, 0)
             return self._empty_match
-        value = values[0] if len(values) == 1 else torch.cat(values)
+        path, pos, split_child, m = self._walk(rk, n, self._check_match_tail)
+        now = self.clock()
+        self.root_node.last_access_time = now
+        for x in path:
+            x.last_access_time = now
+        if split_child is not None:
+            split_child.last_access_time = now
+            path.append(self._split_node(split_child, m))
+        if not path:
+            return self._empty_match
+        node = path[-1]
+        value = node.value if len(path) == 1 else torch.cat([x.value for x in path])
         return MatchResult(value, node, node)
 
     def _split_node(self, child: TreeNode, m: int) -> TreeNode:
@@ -266,70 +322,67 @@ class RadixCache(BasePrefixCache):
                chunked: bool = False) -> InsertResult:
         """Insert ``key`` -> ``value`` (KV slots); returns the length that was already cached.
 
-        Slots of the already-cached part are *not* freed here (the caller frees its
-        duplicates).  ``value=None`` uses the token ids as values (simulation only).
+        Only whole pages are inserted.  Slots of the already-cached part are *not*
+        freed here (the caller frees its duplicates).  ``value=None`` uses the token
+        ids as values (SGLang's simulation mode: do not evict such entries into a
+        real allocator).  ``priority`` feeds the ``priority`` policy; ``chunked``
+        skips hit counting (a chunked prefill re-inserting its own prefix).
         """
-        rk = as_radix_key(key)
+        rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
         ids = rk.token_ids
         n = len(ids)
         if value is not None:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"insert value must be a 1-D integer tensor of slots, got {type(value).__name__}")
-            if value.dim() != 1 or value.is_floating_point() or value.is_complex():
-                raise TypeError(f"insert value must be a 1-D integer tensor, got shape {tuple(value.shape)} dtype {value.dtype}")
+            if value.dtype not in _INT_DTYPES or value.dim() != 1:
+                raise TypeError(
+                    f"insert value must be a 1-D integer tensor, got shape {tuple(value.shape)} dtype {value.dtype}"
+                )
             if value.shape[0] != n:
                 raise ValueError(f"insert value has {value.shape[0]} slots for a key of {n} tokens")
-        if self.disable:
-            return InsertResult(0, self.root_node)
         ps = self.page_size
         if ps > 1:
             n -= n % ps
-        if n == 0:
+        if self.disable or n == 0:
+            _validate(ids, 0)
             return InsertResult(0, self.root_node)
+        path, pos, split_child, m = self._walk(rk, n)
+        # Nothing has changed so far; from here on the insert cannot fail.
         if priority is None:
             priority = 0
+        hit = 0 if chunked else 1
         now = self.clock()
         node = self.root_node
         node.last_access_time = now
         if priority > node.priority:
             node.priority = priority
-        extra = rk.extra_key
-        ck = ids[0] if ps == 1 else tuple(ids[:ps])
-        if extra is not None:
-            ck = (extra, ck)
-        hit = 0 if chunked else 1
-        children = node.children
-        pos = 0
-        while True:
-            child = children.get(ck)
-            if child is None:
-                break
-            child.last_access_time = now
-            ckey = child.key
-            end = pos + len(ckey)
-            if end <= n and ids[pos:end] == ckey:
-                node = child
-                pos = end
-            else:
-                m = _first_mismatch(ids, pos, ckey, min(len(ckey), n - pos))
-                if ps > 1:
-                    m -= m % ps
-                node = self._split_node(child, m)
-                pos += m
+        for node in path:
+            node.last_access_time = now
+            node.hit_count += hit
             if priority > node.priority:
                 node.priority = priority
+        if split_child is not None:
+            split_child.last_access_time = now
+            node = self._split_node(split_child, m)
             node.hit_count += hit
-            if pos >= n:
-                break
-            children = node.children
-            ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            if priority > node.priority:
+                node.priority = priority
+            pos += m
         prefix_len = pos
         if pos < n:
             if value is None:
                 v = torch.tensor(ids[pos:n], dtype=torch.int64, device=self.device)
+            elif value.dtype is torch.int64:
+                v = torch.narrow_copy(value, 0, pos, n - pos)  # one op: ~2x cheaper than slice + clone
             else:
-                v = value[pos:n].to(dtype=torch.int64, copy=True)
-            leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, extra)
+                v = value[pos:n].to(torch.int64)
+            if pos:
+                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            else:
+                ck = ids[0] if ps == 1 else tuple(ids[:ps])
+                if rk.extra_key is not None:
+                    ck = (rk.extra_key, ck)
+            leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, rk.extra_key)
             leaf.hit_count = hit
             node.children[ck] = leaf
             self._evictable_size += n - pos
@@ -422,11 +475,12 @@ class RadixCache(BasePrefixCache):
             x = heapq.heappop(heap)[2]
             value = x.value
             freed.append(value)
-            num += len(value)
+            size = len(x.key)
+            num += size
             parent = x.parent
             del parent.children[x.ck]
             leaves.discard(x)
-            self._evictable_size -= len(value)
+            self._evictable_size -= size
             if events is not None and x.hash_value:
                 events.extend(PageRemoved(h) for h in x.hash_value)
             x.value = None

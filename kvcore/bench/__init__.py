@@ -1,0 +1,37 @@
+"""``kvcore bench``: drive a backend through a simulated serving loop and report on it.
+
+Import cost stays low: the loop, the workloads and matplotlib load on use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["run_bench", "WORKLOAD_NAMES"]
+
+WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "zipf", "no-reuse", "long-decode", "trace")
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvcore.bench.loop import BenchConfig
+
+
+def run_bench(backends: list[str], *, workload: str = "shared-prefix", seed: int = 0, num_requests: int | None = None,
+              trace: str | None = None, step_ms: float = 20.0, progress=None, **config: Any) -> list[dict]:
+    """Run one workload through each backend; returns one report dict per backend (see docs/bench.md).
+
+    ``config`` holds :class:`kvcore.bench.loop.BenchConfig` fields (size, page_size, ...).
+    Each report also carries its per-step timeline under the private key ``_timeline``.
+    """
+    from kvcore.bench.loop import BenchConfig, run_workload
+    from kvcore.bench.report import make_report
+    from kvcore.bench.workloads import make_workload
+
+    wl = make_workload(workload, seed=seed, num_requests=num_requests, trace=trace, step_ms=step_ms)
+    reports = []
+    for name in backends:
+        cfg = BenchConfig(backend=name, **config)
+        res = run_workload(cfg, wl, progress=progress(name) if progress else None)
+        rep = make_report(cfg, wl, res)
+        rep["_timeline"] = res.timeline
+        reports.append(rep)
+    return reports

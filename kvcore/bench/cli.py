@@ -1,0 +1,179 @@
+"""The ``kvcore bench`` command (registered by kvcore.cli); heavy imports happen inside."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, List, Optional
+
+import typer
+
+__all__ = ["bench"]
+
+_WORKLOADS = ("shared-prefix", "multi-turn", "zipf", "no-reuse", "long-decode", "trace")
+_DEVICES = ("cpu", "cuda", "npu")
+
+
+def _backend_list(backend: list[str] | None, compare: str | None) -> list[str]:
+    names: list[str] = []
+    for item in list(backend or []) + ([compare] if compare else []):
+        for name in item.split(","):
+            name = name.strip()
+            if name and name not in names:
+                names.append(name)
+    if not names:
+        from kvcore.plugins import available_backends
+
+        known = ", ".join(available_backends())
+        raise ValueError(f"no backend given: use --backend NAME or --compare a,b (installed: {known})")
+    return names
+
+
+def _check_device(device: str) -> None:
+    base = device.split(":", 1)[0]
+    if base not in _DEVICES:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or npu")
+    if base == "npu":
+        import importlib.util
+
+        if importlib.util.find_spec("kvcore_npu") is None:
+            from kvcore.errors import DeviceUnavailable
+
+            raise DeviceUnavailable(
+                "device 'npu' goes through the npu plugin (distribution kvcore-npu), which is not installed; "
+                "install plugins/npu with torch-npu and the Ascend CANN toolkit"
+            )
+    from kvcore.devices import check_device
+
+    check_device(device)
+
+
+def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value}")
+
+
+def bench(
+    backend: Annotated[Optional[List[str]], typer.Option("--backend", "-b", metavar="NAME", help="Backend to run; repeat to compare several.")] = None,
+    compare: Annotated[Optional[str], typer.Option("--compare", help="Comma-separated backends to run side by side (ratios against the first).")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda (cuda:N) or npu; on cuda/npu every prefill and decode writes real K/V.")] = "cpu",
+    workload: Annotated[str, typer.Option("--workload", "-w", help="shared-prefix, multi-turn, zipf, no-reuse, long-decode or trace.")] = "shared-prefix",
+    trace: Annotated[Optional[str], typer.Option("--trace", help="Mooncake JSONL trace to replay (implies --workload trace; default: the shipped sample).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the workload generator.")] = 0,
+    num_requests: Annotated[Optional[int], typer.Option("--num-requests", "-n", help="Requests to generate (trace: first N lines); default depends on the workload.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (a list when several backends run).")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown (for READMEs).")] = False,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Write pool occupancy and hit rate over time to this PNG (needs matplotlib).")] = None,
+    check_every: Annotated[int, typer.Option("--check-every", help="Also run the invariant checker every N steps (0: only at the end).")] = 0,
+    size: Annotated[int, typer.Option("--size", help="Token slots in the (full) KV pool.")] = 65536,
+    page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page.")] = 1,
+    max_num_reqs: Annotated[int, typer.Option("--max-num-reqs", help="req_to_token rows: the most requests (and idle sessions) at once.")] = 128,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Prefill token budget per step (chunked prefill).")] = 2048,
+    window: Annotated[int, typer.Option("--window", help="sliding_window_size for SWA backends.")] = 256,
+    swa_size: Annotated[Optional[int], typer.Option("--swa-size", help="Window-pool slots for SWA backends (default: --size).")] = None,
+    swa_interval: Annotated[int, typer.Option("--swa-interval", help="Free out-of-window slots once this many tokens slid out (SGLang's SWA eviction interval).")] = 32,
+    sessions: Annotated[bool, typer.Option("--sessions/--no-sessions", help="Run follow-up turns of multi-turn conversations on streaming sessions.")] = True,
+    eviction_policy: Annotated[Optional[str], typer.Option("--eviction-policy", help="Eviction policy for tree backends (lru, lfu, ...).")] = None,
+    step_ms: Annotated[float, typer.Option("--step-ms", help="Trace replay: milliseconds of trace time per scheduler step.")] = 20.0,
+    reference: Annotated[bool, typer.Option("--reference/--no-reference", help="When one SWA backend runs alone, also run radix on the same work for comparison.")] = True,
+    write_kv: Annotated[Optional[bool], typer.Option("--write-kv/--no-write-kv", help="Write K/V bytes into the device buffer (default: on for cuda/npu).")] = None,
+) -> None:
+    """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
+
+    Exit status: 0, or 2 when a run leaked slots or broke an invariant.
+    """
+    names = _backend_list(backend, compare)
+    if trace is not None and workload == "shared-prefix":
+        workload = "trace"
+    if workload not in _WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of: {', '.join(_WORKLOADS)}")
+    for opt, val in (("--size", size), ("--page-size", page_size), ("--max-num-reqs", max_num_reqs),
+                     ("--chunk-size", chunk_size), ("--window", window), ("--swa-size", swa_size),
+                     ("--swa-interval", swa_interval), ("--num-requests", num_requests)):
+        _positive(opt, val)
+    _positive("--check-every", check_every, allow_zero=True)
+    if chunk_size % page_size:
+        raise ValueError(f"--chunk-size {chunk_size} is not a multiple of --page-size {page_size}")
+    if plot is not None and not plot.lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, not {plot!r}")
+
+    from kvcore.plugins import available_backends, get_backend
+
+    for name in names:
+        get_backend(name)  # BackendNotFound names the known ones
+    _check_device(device)
+
+    from kvcore.bench import run_bench
+    from kvcore.bench.loop import is_swa_backend
+
+    config = dict(
+        device=device, size=size, page_size=page_size, max_num_reqs=max_num_reqs, chunk_size=chunk_size,
+        window=window, swa_size=swa_size, swa_interval=swa_interval, sessions=sessions, check_every=check_every,
+        eviction_policy=eviction_policy, write_kv=write_kv,
+    )
+    run_names = list(names)
+    with_reference = (
+        reference and len(names) == 1 and is_swa_backend(names[0]) and "radix" in available_backends()
+        and names[0] != "radix"
+    )
+    if with_reference:
+        run_names.append("radix")
+
+    progress_ctx = None
+    progress = None
+    if sys.stderr.isatty() and not as_json:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress_ctx = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+        def progress(name: str):
+            task = progress_ctx.add_task(name, total=None)
+
+            def update(done: int, total: int) -> None:
+                progress_ctx.update(task, completed=done, total=total)
+
+            return update
+
+    if progress_ctx is not None:
+        with progress_ctx:
+            reports = run_bench(run_names, workload=workload, seed=seed, num_requests=num_requests, trace=trace,
+                                step_ms=step_ms, progress=progress, **config)
+    else:
+        reports = run_bench(run_names, workload=workload, seed=seed, num_requests=num_requests, trace=trace,
+                            step_ms=step_ms, **config)
+    if with_reference:
+        reports[-1]["_reference"] = True
+
+    if plot is not None:
+        from kvcore.bench.plot import write_plot
+
+        write_plot(reports, plot)
+
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in reports]
+    if as_json:
+        import json
+
+        if with_reference:
+            payload = dict(public[0], reference=public[1])
+        elif len(names) == 1:
+            payload = public[0]
+        else:
+            payload = public
+        typer.echo(json.dumps(payload, indent=2))
+    elif markdown:
+        from kvcore.bench.report import render_markdown
+
+        typer.echo(render_markdown(reports))
+    else:
+        from rich.console import Console
+
+        from kvcore.bench.report import render_table
+
+        Console(soft_wrap=True).print(render_table(reports))
+    bad = [r for r in public if r["leaked_slots"] or r["leaked_rows"] or r["invariant_violations"]]
+    for r in bad:
+        why = "; ".join(r["violations"][:1]) or f"{r['leaked_slots']} slots, {r['leaked_rows']} rows leaked"
+        typer.echo(f"kvcore: {r['backend']} failed the leak check: {why}", err=True)
+    if bad:
+        raise typer.Exit(2)

@@ -1,0 +1,72 @@
+"""The hit rate an infinite cache would reach on the same request stream.
+
+A compressed radix tree over plain lists that never evicts: each request matches
+its prompt (at most ``len(prompt) - 1`` tokens, page-aligned, as the serving loop
+does), then its whole sequence (prompt + output) is inserted.  Edge comparisons
+are C-level slice comparisons, so the cost follows the number of branch points,
+not the number of tokens.
+"""
+
+from __future__ import annotations
+
+__all__ = ["InfiniteCache"]
+
+
+class _Node:
+    __slots__ = ("key", "children")
+
+    def __init__(self, key: list[int]):
+        self.key = key
+        self.children: dict[int, _Node] = {}
+
+
+def _common(a: list[int], off: int, b: list[int], n: int) -> int:
+    """Length of the common prefix of ``a[off:off+n]`` and ``b[:n]``."""
+    if a[off : off + n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[off:off+lo] == b[:lo]; mismatch somewhere in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[off : off + mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class InfiniteCache:
+    def __init__(self, page_size: int = 1):
+        self.page_size = page_size
+        self.root = _Node([])
+
+    def match(self, ids: list[int], limit: int) -> int:
+        node, pos = self.root, 0
+        while pos < limit:
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = min(len(child.key), limit - pos)
+            m = _common(ids, pos, child.key, n)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos - pos % self.page_size
+
+    def insert(self, ids: list[int]) -> None:
+        node, pos, total = self.root, 0, len(ids)
+        while pos < total:
+            child = node.children.get(ids[pos])
+            if child is None:
+                node.children[ids[pos]] = _Node(ids[pos:])
+                return
+            n = min(len(child.key), total - pos)
+            m = _common(ids, pos, child.key, n)
+            if m < len(child.key):
+                # Split the edge at m: the upper part keeps the old key's head.
+                lower = _Node(child.key[m:])
+                lower.children = child.children
+                child.key = child.key[:m]
+                child.children = {lower.key[0]: lower}
+            pos += m
+            node = child

@@ -1,0 +1,46 @@
+"""``--plot FILE.png``: pool occupancy and hit rate over the run (matplotlib, the ``plot`` extra)."""
+
+from __future__ import annotations
+
+__all__ = ["write_plot"]
+
+
+def write_plot(reports: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvcore[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pools = [p for p in ("full", "swa") if any(p in r["pools"] for r in reports)]
+    fig, axes = plt.subplots(len(pools) + 1, 1, figsize=(10, 3.2 * (len(pools) + 1)), sharex=True)
+    for ax, pool in zip(axes, pools):
+        for r in reports:
+            tl = r.get("_timeline") or {}
+            if f"{pool}_used" not in tl:
+                continue
+            line, = ax.plot(tl["step"], tl[f"{pool}_live"], label=f"{r['backend']} live", linewidth=1)
+            ax.plot(tl["step"], tl[f"{pool}_used"], color=line.get_color(), linestyle=":", linewidth=1,
+                    label=f"{r['backend']} with cache")
+            cap = r["pools"][pool]["capacity"]
+            ax.axhline(cap, color=line.get_color(), linestyle="--", linewidth=0.6, alpha=0.5)
+        ax.set_ylabel(f"{pool} slots in use")
+        ax.legend(loc="upper right", fontsize="small")
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for r in reports:
+        tl = r.get("_timeline") or {}
+        ax.plot(tl.get("step", []), tl.get("hit_rate", []), label=f"{r['backend']}", linewidth=1)
+    inf = reports[0]["infinite_cache_hit_rate"]
+    ax.axhline(inf, color="gray", linestyle="--", linewidth=0.8, label=f"infinite cache ({inf:.1%})")
+    ax.set_ylabel("hit rate (cumulative)")
+    ax.set_xlabel("scheduler step")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right", fontsize="small")
+    ax.grid(alpha=0.3)
+    first = reports[0]
+    fig.suptitle(f"kvcore bench: {first['workload']}, {first['num_requests']} requests, seed {first['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,143 @@
+"""The report: one JSON object per backend run (schema in docs/bench.md) and the terminal table."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from kvcore.bench.loop import BenchConfig, RunResult
+from kvcore.bench.workloads import Workload
+
+__all__ = ["SCHEMA_VERSION", "make_report", "render_table"]
+
+SCHEMA_VERSION = 1
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
+    return s[k]
+
+
+def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[str, Any]:
+    """The JSON object for one backend run; key order is part of the schema."""
+    prompt = res.prompt_tokens
+    wall = res.wall_s if res.wall_s > 0 else 1e-9
+    tokens = res.prompt_tokens + res.output_tokens
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "backend": res.backend,
+        "device": cfg.device,
+        "workload": workload.name,
+        "seed": workload.seed,
+        "workload_digest": workload.digest,
+        "num_requests": len(workload.requests),
+        "prompt_tokens": prompt,
+        "output_tokens": res.output_tokens,
+        "cached_tokens": res.cached_tokens,
+        "hit_rate": res.cached_tokens / prompt if prompt else 0.0,
+        "infinite_cache_hit_rate": res.infinite_cached_tokens / prompt if prompt else 0.0,
+        "pools": res.pools,
+        "retractions": res.retractions,
+        "evictions": res.evictions,
+        "swa_evictions": res.swa_evictions,
+        "evict_calls": res.evict_calls,
+        "session_releases": res.session_releases,
+        "steps": res.steps,
+        "wall_s": res.wall_s,
+        "backend_s": res.backend_s,
+        "loop_overhead_s": max(0.0, res.wall_s - res.backend_s - res.kv_write_s),
+        "kv_write_s": res.kv_write_s,
+        "kv_bytes_written": res.kv_bytes_written,
+        "requests_per_s": len(workload.requests) / wall,
+        "tokens_per_s": tokens / wall,
+        "step_p50_us": _pct(res.step_us, 0.50),
+        "step_p99_us": _pct(res.step_us, 0.99),
+        "step_mean_us": statistics.fmean(res.step_us) if res.step_us else 0.0,
+        "leaked_slots": res.leaked_slots,
+        "leaked_rows": res.leaked_rows,
+        "invariant_checks": res.checks,
+        "invariant_violations": res.invariant_violations,
+        "violations": list(res.violations),
+        "options": {k: v for k, v in res.options.items() if k != "kv_buffer"}
+        | {"chunk_size": cfg.chunk_size, "sessions": cfg.sessions, "swa_interval": cfg.swa_interval},
+        "workload_params": workload.params,
+    }
+
+
+# rows of the table: (label, getter, format, higher_is_better or None for no ratio)
+def _pool(name: str, key: str):
+    return lambda r: r["pools"].get(name, {}).get(key)
+
+
+_ROWS = [
+    ("hit rate", lambda r: r["hit_rate"], "{:.1%}", True),
+    ("infinite-cache hit rate", lambda r: r["infinite_cache_hit_rate"], "{:.1%}", None),
+    ("cached tokens", lambda r: r["cached_tokens"], "{:,}", True),
+    ("peak full slots (live)", _pool("full", "peak"), "{:,}", False),
+    ("peak full slots (with cache)", _pool("full", "peak_occupied"), "{:,}", False),
+    ("peak window slots (live)", _pool("swa", "peak"), "{:,}", False),
+    ("peak window slots (with cache)", _pool("swa", "peak_occupied"), "{:,}", False),
+    ("retractions", lambda r: r["retractions"], "{:,}", False),
+    ("evicted slots", lambda r: r["evictions"], "{:,}", False),
+    ("steps", lambda r: r["steps"], "{:,}", False),
+    ("wall s", lambda r: r["wall_s"], "{:.2f}", False),
+    ("backend s", lambda r: r["backend_s"], "{:.2f}", False),
+    ("loop overhead s", lambda r: r["loop_overhead_s"], "{:.2f}", False),
+    ("requests/s", lambda r: r["requests_per_s"], "{:,.0f}", True),
+    ("tokens/s", lambda r: r["tokens_per_s"], "{:,.0f}", True),
+    ("step p50 µs", lambda r: r["step_p50_us"], "{:,.0f}", False),
+    ("step p99 µs", lambda r: r["step_p99_us"], "{:,.0f}", False),
+    ("leaked slots", lambda r: r["leaked_slots"], "{:,}", None),
+    ("invariant violations", lambda r: r["invariant_violations"], "{:,}", None),
+]
+
+
+def table_rows(reports: list[dict]) -> list[list[str]]:
+    """Metric rows, one column per report; numbers after the first carry their ratio to the first."""
+    rows = []
+    base = reports[0]
+    for label, get, fmt, better in _ROWS:
+        values = [get(r) for r in reports]
+        if all(v is None for v in values):
+            continue
+        cells = [label]
+        b = get(base)
+        for i, v in enumerate(values):
+            if v is None:
+                cells.append("-")
+                continue
+            text = fmt.format(v)
+            if i and better is not None and isinstance(b, (int, float)) and b:
+                text += f" ({v / b:.2f}x)"
+            cells.append(text)
+        rows.append(cells)
+    return rows
+
+
+def render_table(reports: list[dict], title: str | None = None):
+    """A rich Table with the metrics as rows and the backends as columns."""
+    from rich.table import Table
+
+    first = reports[0]
+    if title is None:
+        title = (
+            f"kvcore bench: {first['workload']} workload, {first['num_requests']} requests, seed {first['seed']}, "
+            f"device {first['device']} (digest {first['workload_digest'][:12]})"
+        )
+    table = Table(title=title)
+    table.add_column("metric")
+    for r in reports:
+        table.add_column(r["backend"] + (" (reference)" if r.get("_reference") else ""), justify="right")
+    for cells in table_rows(reports):
+        table.add_row(*cells)
+    return table
+
+
+def render_markdown(reports: list[dict]) -> str:
+    head = "| metric | " + " | ".join(r["backend"] for r in reports) + " |"
+    sep = "|---|" + "---:|" * len(reports)
+    body = ["| " + " | ".join(cells) + " |" for cells in table_rows(reports)]
+    return "\n".join([head, sep, *body])

@@ -1,0 +1,541 @@
+"""The conformance suite every prefix-cache backend runs (see ``kvcore.testing``)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kvcore.keys import RadixKey
+from kvcore.record import floor_align
+from kvcore.testing.helpers import (
+    admit,
+    alloc_slots,
+    check_invariants,
+    decode,
+    finish,
+    make_req,
+    pool_total,
+    prefill,
+    run_request,
+)
+
+__all__ = ["PrefixCacheConformance", "CacheStateMachine", "snapshot"]
+
+
+def snapshot(cache) -> tuple:
+    """What must not change when a call is refused: sizes, free slots, owned slots."""
+    owned = sorted((o.owner, tuple(o.slots.tolist())) for o in cache.iter_owned_slots())
+    alloc = cache.token_to_kv_pool_allocator
+    return (
+        cache.evictable_size(),
+        cache.protected_size(),
+        cache.total_size(),
+        int(alloc.available_size()),
+        owned,
+    )
+
+
+def _toks(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _insert_owned(cache, key: RadixKey, reuse: bool):
+    """Insert ``key`` with fresh slots and free what the cache did not keep; returns the InsertResult."""
+    page = cache.page_size
+    n = len(key)
+    aligned = floor_align(n, page)
+    slots = alloc_slots(cache, -(-n // page) * page)
+    if slots is None:
+        return None
+    res = cache.insert(key, slots[:n])
+    # The cache keeps [prefix_len, aligned); duplicates and the partial page are the caller's.
+    keep_from = res.prefix_len if reuse else aligned
+    drop = [d for d in (slots[:keep_from], slots[aligned:]) if d.numel()]
+    if drop:
+        cache.token_to_kv_pool_allocator.free(torch.cat(drop))
+    return res
+
+
+class PrefixCacheConformance:
+    """Behaviour every backend must show.  Subclass it in a test module::
+
+        import pytest
+        from kvcore.testing import PrefixCacheConformance
+
+        class TestMyCache(PrefixCacheConformance):
+            supports_prefix_reuse = True      # False for chunk-like caches
+            page_sizes = (1, 16)
+
+            @pytest.fixture
+            def make_cache(self):
+                def build(**options):
+                    return kvcore.create_cache("mine", **options)
+                return build
+
+    ``make_cache(**options)`` takes ``size``, ``page_size``, ``max_num_reqs``,
+    ``max_context_len`` (plus ``backend_options``) and returns a built cache.
+    Every test ends with ``kvcore.InvariantChecker``.
+    """
+
+    supports_prefix_reuse: bool = True
+    page_sizes: tuple[int, ...] = (1, 16)
+    backend_options: dict = {}
+    # Hypothesis budget of the state machine.
+    state_machine_examples: int = 40
+    state_machine_steps: int = 30
+
+    # -- fixtures -------------------------------------------------------------
+
+    @pytest.fixture(params=[1, 16], ids=lambda p: f"page{p}")
+    def page_size(self, request):
+        if request.param not in request.cls.page_sizes:
+            pytest.skip(f"page_size {request.param} not in {request.cls.__name__}.page_sizes")
+        return request.param
+
+    @pytest.fixture
+    def build(self, make_cache, page_size) -> Callable[..., Any]:
+        """``build(pages=64, rows=8, width_pages=16, **extra)`` -> cache."""
+
+        def _build(pages: int = 64, rows: int = 8, width_pages: int = 16, **extra):
+            opts = dict(self.backend_options)
+            opts.update(extra)
+            return make_cache(
+                size=pages * page_size,
+                page_size=page_size,
+                max_num_reqs=rows,
+                max_context_len=max(width_pages * page_size, 64),
+                **opts,
+            )
+
+        return _build
+
+    # -- scenarios --------------------------------------------------------------
+
+    def test_pools_exposed(self, build, page_size):
+        cache = build()
+        assert cache.page_size == page_size
+        assert cache.token_to_kv_pool_allocator.page_size == page_size
+        assert cache.req_to_token_pool.size == 8
+        assert cache.evictable_size() == cache.protected_size() == 0
+        check_invariants(cache)
+
+    def test_empty_cache_matches_nothing(self, build, page_size):
+        cache = build()
+        for key in ([], [1, 2, 3], RadixKey(list(range(3 * page_size)), "ns")):
+            m = cache.match_prefix(key)
+            assert m.device_indices.dtype == torch.int64
+            assert m.device_indices.numel() == 0
+        check_invariants(cache)
+
+    def test_insert_returns_prefix_len(self, build, page_size):
+        cache = build()
+        key = list(range(1, 3 * page_size + 1))
+        first = _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        assert first.prefix_len == 0
+        check_invariants(cache)
+        second = _insert_owned(cache, RadixKey(key + [99] * page_size), self.supports_prefix_reuse)
+        check_invariants(cache)
+        m = cache.match_prefix(key + [5])
+        if self.supports_prefix_reuse:
+            assert second.prefix_len == len(key)
+            assert m.device_indices.numel() == len(key)
+            assert cache.total_size() == len(key) + page_size
+        else:
+            assert second.prefix_len == 0
+            assert m.device_indices.numel() == 0
+        check_invariants(cache)
+
+    def test_match_is_page_aligned(self, build, page_size):
+        cache = build()
+        key = list(range(1, 2 * page_size + 1))
+        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        for probe_len in range(0, 2 * page_size + 2):
+            probe = key[:probe_len] + [1000]
+            got = cache.match_prefix(probe).device_indices.numel()
+            if self.supports_prefix_reuse:
+                assert got == floor_align(min(probe_len, len(key)), page_size)
+            else:
+                assert got == 0
+            assert got % page_size == 0
+        check_invariants(cache)
+
+    def test_finished_request_returns_or_caches_every_slot(self, build, page_size):
+        cache = build()
+        total = pool_total(cache)
+        rng = random.Random(1)
+        req = make_req("a", _toks(rng, 3 * page_size + 3))
+        assert run_request(cache, req, decode_tokens=2)
+        check_invariants(cache)
+        alloc = cache.token_to_kv_pool_allocator
+        assert alloc.available_size() + cache.evictable_size() == total
+        assert cache.protected_size() == 0
+        if self.supports_prefix_reuse:
+            assert cache.evictable_size() == floor_align(3 * page_size + 3 + 2, page_size)
+            again = make_req("b", req.fill_ids + [1])
+            assert admit(cache, again)
+            assert again.kv.cache_protected_len == floor_align(len(req.fill_ids), page_size)
+            check_invariants(cache, [again])
+            finish(cache, again)
+        else:
+            assert alloc.available_size() == total
+        check_invariants(cache)
+
+    def test_lock_and_unlock(self, build, page_size):
+        cache = build()
+        key = list(range(1, 2 * page_size + 1))
+        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        m = cache.match_prefix(key)
+        before = (cache.evictable_size(), cache.protected_size())
+        lock = cache.inc_lock_ref(m.last_device_node)
+        if self.supports_prefix_reuse:
+            assert cache.protected_size() == before[1] + len(key)
+            assert cache.evictable_size() == before[0] - len(key)
+            assert lock.delta == len(key)
+        check_invariants(cache)
+        # Locked entries survive eviction.
+        cache.evict(10**6)
+        assert cache.match_prefix(key).device_indices.numel() == (len(key) if self.supports_prefix_reuse else 0)
+        cache.dec_lock_ref(m.last_device_node, lock)
+        assert (cache.evictable_size(), cache.protected_size()) == before
+        check_invariants(cache)
+
+    def test_evict_frees_only_unlocked(self, build, page_size):
+        cache = build()
+        total = pool_total(cache)
+        a = [1] * page_size + list(range(2, 2 + 2 * page_size))
+        b = [2] * page_size + list(range(100, 100 + 2 * page_size))
+        _insert_owned(cache, RadixKey(a), self.supports_prefix_reuse)
+        _insert_owned(cache, RadixKey(b), self.supports_prefix_reuse)
+        ma = cache.match_prefix(a)
+        lock = cache.inc_lock_ref(ma.last_device_node)
+        protected = cache.protected_size()
+        res = cache.evict(10**6)
+        assert res.num_tokens_evicted >= 0
+        assert cache.evictable_size() == 0
+        assert cache.protected_size() == protected
+        assert cache.token_to_kv_pool_allocator.available_size() == total - protected
+        if self.supports_prefix_reuse:
+            assert res.num_tokens_evicted == len(b)
+            assert cache.match_prefix(a).device_indices.numel() == len(a)
+            assert cache.match_prefix(b).device_indices.numel() == 0
+        check_invariants(cache)
+        cache.dec_lock_ref(ma.last_device_node, lock)
+        cache.evict(10**6)
+        assert cache.token_to_kv_pool_allocator.available_size() == total
+        check_invariants(cache)
+
+    def test_evict_nothing(self, build):
+        cache = build()
+        assert cache.evict(0).num_tokens_evicted == 0
+        assert cache.evict(5).num_tokens_evicted == 0
+        check_invariants(cache)
+
+    def test_extra_key_isolation(self, build, page_size):
+        cache = build()
+        key = list(range(1, 2 * page_size + 1))
+        _insert_owned(cache, RadixKey(key, "tenant-a"), self.supports_prefix_reuse)
+        assert cache.match_prefix(RadixKey(key, "tenant-b")).device_indices.numel() == 0
+        assert cache.match_prefix(key).device_indices.numel() == 0
+        hit = cache.match_prefix(RadixKey(key, "tenant-a")).device_indices.numel()
+        assert hit == (len(key) if self.supports_prefix_reuse else 0)
+        # Same tokens under another namespace are a fresh insert.
+        res = _insert_owned(cache, RadixKey(key, "tenant-b"), self.supports_prefix_reuse)
+        assert res.prefix_len == 0
+        check_invariants(cache)
+        # Requests carry their namespace too.
+        r = make_req("r", key + [3], extra_key="tenant-c")
+        assert admit(cache, r)
+        assert r.kv.cache_protected_len == 0
+        assert prefill(cache, r)
+        finish(cache, r)
+        check_invariants(cache)
+
+    def test_bad_input_leaves_state_unchanged(self, build, page_size):
+        cache = build()
+        key = list(range(1, 2 * page_size + 1))
+        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        before = snapshot(cache)
+        bad_keys_type = ["abc", 3, None, {1: 2}, [1, 2.5], key[:page_size] + ["x"]]
+        for bad in bad_keys_type:
+            with pytest.raises(TypeError):
+                cache.match_prefix(bad)
+            with pytest.raises(TypeError):
+                cache.insert(bad)
+        for bad in ([-1], key[:page_size] + [-5] * page_size, key + [-1]):
+            with pytest.raises(ValueError):
+                cache.match_prefix(bad)
+            with pytest.raises(ValueError):
+                cache.insert(bad, torch.arange(len(bad), dtype=torch.int64))
+        with pytest.raises(ValueError):
+            cache.insert(key + [7] * page_size, torch.arange(len(key) + page_size + 1, dtype=torch.int64))
+        assert snapshot(cache) == before
+        if self.supports_prefix_reuse:
+            node = cache.match_prefix(key).last_device_node
+            before = snapshot(cache)
+            with pytest.raises(ValueError):
+                cache.dec_lock_ref(node)
+            assert snapshot(cache) == before
+        check_invariants(cache)
+
+    def test_chunked_prefill_then_finish(self, build, page_size):
+        cache = build()
+        rng = random.Random(7)
+        prompt = _toks(rng, 5 * page_size + 3)
+        req = make_req("chunked", prompt)
+        assert admit(cache, req)
+        check_invariants(cache, [req])
+        chunk = 2 * page_size + 1
+        while req.kv.kv_committed_len < len(prompt):
+            assert prefill(cache, req, req.kv.kv_committed_len + chunk)
+            kv = req.kv
+            assert kv.cache_protected_len <= kv.kv_committed_len <= kv.kv_allocated_len
+            if self.supports_prefix_reuse and kv.kv_committed_len < len(prompt):
+                assert kv.cache_protected_len == floor_align(kv.kv_committed_len, page_size)
+                assert req.prefix_indices.numel() == kv.kv_committed_len
+            check_invariants(cache, [req])
+        decode(cache, req, 3)
+        check_invariants(cache, [req])
+        finish(cache, req)
+        check_invariants(cache)
+        if self.supports_prefix_reuse:
+            other = make_req("other", prompt + [1, 2])
+            assert admit(cache, other)
+            assert other.kv.cache_protected_len == floor_align(len(prompt), page_size)
+            assert prefill(cache, other)
+            finish(cache, other)
+        check_invariants(cache)
+
+    def test_two_requests_share_a_prefix(self, build, page_size):
+        cache = build()
+        rng = random.Random(3)
+        system = _toks(rng, 2 * page_size)
+        a = make_req("a", system + _toks(rng, page_size + 1))
+        assert run_request(cache, a)
+        b = make_req("b", system + _toks(rng, page_size + 2))
+        c = make_req("c", system + _toks(rng, 3))
+        assert admit(cache, b) and admit(cache, c)
+        if self.supports_prefix_reuse:
+            assert b.kv.cache_protected_len >= len(system)
+            assert c.kv.cache_protected_len >= len(system)
+            assert cache.protected_size() >= len(system)
+        check_invariants(cache, [b, c])
+        assert prefill(cache, b) and prefill(cache, c)
+        decode(cache, b, 2)
+        check_invariants(cache, [b, c])
+        finish(cache, c)
+        check_invariants(cache, [b])
+        finish(cache, b)
+        assert cache.protected_size() == 0
+        check_invariants(cache)
+
+    def test_finish_without_insert(self, build, page_size):
+        cache = build()
+        total = pool_total(cache)
+        req = make_req("x", list(range(3 * page_size + 1)))
+        assert admit(cache, req) and prefill(cache, req)
+        finish(cache, req, is_insert=False)
+        assert cache.token_to_kv_pool_allocator.available_size() + cache.evictable_size() == total
+        assert cache.evictable_size() == 0
+        check_invariants(cache)
+
+    def test_all_slots_back_after_reset(self, build, page_size):
+        cache = build()
+        total = pool_total(cache)
+        rows = cache.req_to_token_pool.size
+        rng = random.Random(11)
+        base = _toks(rng, 2 * page_size)
+        reqs = [make_req(f"r{i}", base + _toks(rng, rng.randrange(1, 3 * page_size))) for i in range(6)]
+        for r in reqs:
+            assert admit(cache, r)
+        for r in reqs:
+            assert prefill(cache, r, r.kv.kv_committed_len + page_size + 1)
+        check_invariants(cache, reqs)
+        for r in reqs:
+            prefill(cache, r)
+            decode(cache, r, 2)
+        check_invariants(cache, reqs)
+        for r in reqs:
+            finish(cache, r)
+        check_invariants(cache)
+        cache.reset()
+        assert cache.evictable_size() == cache.protected_size() == cache.total_size() == 0
+        assert cache.token_to_kv_pool_allocator.available_size() == total
+        assert cache.req_to_token_pool.available_size() == rows
+        check_invariants(cache)
+
+    def test_streaming_session(self, build, page_size):
+        from kvcore.session import StreamingSession
+
+        cache = StreamingSession(build())
+        total = pool_total(cache)
+        rng = random.Random(5)
+        turn1 = make_req("t1", _toks(rng, 2 * page_size + 3), session_id="s")
+        assert admit(cache, turn1) and prefill(cache, turn1)
+        decode(cache, turn1, 2)
+        finish(cache, turn1)
+        check_invariants(cache)
+        assert len(cache.session_slots()) == 1
+        turn2 = make_req("t2", turn1.fill_ids + _toks(rng, page_size), session_id="s")
+        assert admit(cache, turn2)
+        assert turn2.kv.kv_committed_len == len(turn1.fill_ids)
+        check_invariants(cache, [turn2])
+        assert prefill(cache, turn2)
+        decode(cache, turn2, 1)
+        finish(cache, turn2)
+        check_invariants(cache)
+        cache.release_session("s")
+        check_invariants(cache)
+        cache.reset()
+        assert cache.token_to_kv_pool_allocator.available_size() == total
+        check_invariants(cache)
+
+    def test_state_machine(self, build, page_size):
+        from hypothesis import HealthCheck, settings
+        from hypothesis.stateful import run_state_machine_as_test
+
+        reuse = self.supports_prefix_reuse
+
+        def factory():
+            return CacheStateMachine(build, page_size, reuse)
+
+        run_state_machine_as_test(
+            factory,
+            settings=settings(
+                max_examples=self.state_machine_examples,
+                stateful_step_count=self.state_machine_steps,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                derandomize=True,
+            ),
+        )
+
+
+# --------------------------------------------------------------------------- state machine
+
+try:
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    RuleBasedStateMachine = object  # type: ignore[assignment,misc]
+    CacheStateMachine = None  # type: ignore[assignment]
+else:
+
+    class CacheStateMachine(RuleBasedStateMachine):
+        """match / insert / lock / unlock / evict / admit / chunk / decode / finish on one cache.
+
+        ``kvcore.InvariantChecker`` runs after every step with the live requests as owners;
+        teardown finishes everything, resets, and proves every slot is back.
+        """
+
+        def __init__(self, build, page_size: int, reuse: bool):
+            super().__init__()
+            self.page = page_size
+            self.reuse = reuse
+            self.cache = build(pages=48, rows=6, width_pages=12)
+            self.total = pool_total(self.cache)
+            self.rows = self.cache.req_to_token_pool.size
+            self.live: list = []
+            self.locks: list = []
+            self.counter = 0
+            # A few shared stems so requests and inserts overlap.
+            self.stems = [[s] * page_size + [s + 1] * page_size for s in (1, 3, 5)]
+
+        def _key(self, stem: int, tail: list[int], extra: str | None) -> list[int]:
+            return self.stems[stem] + tail
+
+        tails = st.lists(st.integers(0, 4), max_size=40)
+
+        @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, None, "x"]))
+        def match(self, stem, tail, extra):
+            key = self._key(stem, tail, extra)
+            m = self.cache.match_prefix(RadixKey(key, extra))
+            n = m.device_indices.numel()
+            assert n % self.page == 0 and n <= len(key)
+            if not self.reuse:
+                assert n == 0
+
+        @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, "x"]))
+        def insert(self, stem, tail, extra):
+            key = RadixKey(self._key(stem, tail, extra), extra)
+            res = _insert_owned(self.cache, key, self.reuse)
+            if res is not None:
+                assert res.prefix_len % self.page == 0
+                assert res.prefix_len <= len(key)
+
+        @rule(stem=st.integers(0, 2), tail=tails)
+        def lock(self, stem, tail):
+            m = self.cache.match_prefix(self._key(stem, tail, None))
+            self.locks.append((m.last_device_node, self.cache.inc_lock_ref(m.last_device_node)))
+
+        @precondition(lambda self: self.locks)
+        @rule(i=st.integers(0, 100))
+        def unlock(self, i):
+            node, lock = self.locks.pop(i % len(self.locks))
+            self.cache.dec_lock_ref(node, lock)
+
+        @rule(n=st.integers(0, 200))
+        def evict(self, n):
+            before = self.cache.evictable_size()
+            res = self.cache.evict(n)
+            assert res.num_tokens_evicted <= before
+            if self.reuse and n and before:
+                assert res.num_tokens_evicted >= min(n, before) or self.cache.evictable_size() == 0
+
+        @rule(stem=st.integers(0, 2), tail=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+              extra=st.sampled_from([None, "x"]), chunk=st.sampled_from([None, 5, 17]))
+        def start(self, stem, tail, extra, chunk):
+            self.counter += 1
+            req = make_req(f"q{self.counter}", self._key(stem, tail, extra), extra_key=extra)
+            if len(req.fill_ids) + 16 > self.cache.req_to_token_pool.max_context_len:
+                return
+            if not admit(self.cache, req):
+                return
+            self.live.append(req)
+            if chunk is None:
+                prefill(self.cache, req)
+            else:
+                prefill(self.cache, req, req.kv.kv_committed_len + chunk)
+
+        @precondition(lambda self: self.live)
+        @rule(i=st.integers(0, 100), chunk=st.sampled_from([3, 16, 40]))
+        def continue_prefill(self, i, chunk):
+            req = self.live[i % len(self.live)]
+            if req.kv.kv_committed_len < len(req.fill_ids):
+                prefill(self.cache, req, req.kv.kv_committed_len + chunk)
+
+        @precondition(lambda self: self.live)
+        @rule(i=st.integers(0, 100), n=st.integers(1, 6))
+        def decode(self, i, n):
+            req = self.live[i % len(self.live)]
+            if req.kv.kv_committed_len == len(req.fill_ids) and req.seqlen + n < self.cache.req_to_token_pool.max_context_len:
+                decode(self.cache, req, n)
+
+        @precondition(lambda self: self.live)
+        @rule(i=st.integers(0, 100), is_insert=st.booleans())
+        def finish(self, i, is_insert):
+            req = self.live.pop(i % len(self.live))
+            finish(self.cache, req, is_insert=is_insert)
+            assert not req.kv.is_held
+
+        @invariant()
+        def invariants_hold(self):
+            check_invariants(self.cache, self.live)
+            assert self.cache.evictable_size() >= 0 and self.cache.protected_size() >= 0
+            if not self.locks and not self.live:
+                assert self.cache.protected_size() == 0
+
+        def teardown(self):
+            for req in self.live:
+                finish(self.cache, req)
+            self.live.clear()
+            for node, lock in reversed(self.locks):
+                self.cache.dec_lock_ref(node, lock)
+            self.locks.clear()
+            check_invariants(self.cache)
+            self.cache.reset()
+            assert self.cache.token_to_kv_pool_allocator.available_size() == self.total
+            assert self.cache.req_to_token_pool.available_size() == self.rows
+            check_invariants(self.cache)

@@ -1,0 +1,236 @@
+"""kvcore bench: every workload on every installed backend, the JSON schema, plots, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import kvcore
+from kvcore.bench import run_bench
+from kvcore.bench.trace import generate_sample_trace, load_trace, sample_trace_path
+from kvcore.bench.workloads import WORKLOADS, make_workload
+from kvcore.cli import app
+
+INSTALLED = [b for b in ("chunk", "radix", "swa", "swa-chunk") if b in kvcore.available_backends()]
+WORKLOAD_NAMES = [*WORKLOADS, "trace"]
+# Small pools so eviction, retraction and session release all happen in a fraction of a second.
+SMALL = dict(size=8192, max_num_reqs=24, chunk_size=512, window=64, swa_interval=8)
+SCHEMA_KEYS = [
+    "backend", "device", "workload", "seed", "workload_digest", "num_requests", "prompt_tokens", "cached_tokens",
+    "hit_rate", "infinite_cache_hit_rate", "pools", "retractions", "evictions", "wall_s", "requests_per_s",
+    "tokens_per_s", "step_p50_us", "step_p99_us", "leaked_slots", "invariant_violations", "backend_s",
+    "loop_overhead_s",
+]
+TIMING_KEYS = {"wall_s", "backend_s", "loop_overhead_s", "kv_write_s", "requests_per_s", "tokens_per_s",
+               "step_p50_us", "step_p99_us", "step_mean_us"}
+
+runner = CliRunner()
+
+
+def _n(workload: str) -> int:
+    return {"long-decode": 6, "multi-turn": 30}.get(workload, 20)
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+@pytest.mark.parametrize("workload", WORKLOAD_NAMES)
+def test_every_workload_runs_without_leaks(backend, workload):
+    page = 4 if workload in ("zipf", "trace") else 1  # paged allocation too
+    num = _n(workload)
+    (rep,) = run_bench([backend], workload=workload, num_requests=num, seed=1, check_every=13, page_size=page,
+                       **SMALL)
+    assert rep["leaked_slots"] == 0
+    assert rep["leaked_rows"] == 0
+    assert rep["invariant_violations"] == 0, rep["violations"]
+    assert rep["invariant_checks"] > 1
+    assert rep["num_requests"] == num
+    assert 0.0 <= rep["hit_rate"] <= rep["infinite_cache_hit_rate"] + 1e-9 <= 1.0 + 1e-9
+    if backend in ("chunk", "swa-chunk") and workload != "multi-turn":
+        assert rep["cached_tokens"] == 0
+    if kvcore.available_backends()[backend].config.model_fields.get("sliding_window_size"):
+        assert set(rep["pools"]) == {"full", "swa"}
+
+
+def test_pressure_retracts_and_evicts_without_leaks():
+    (rep,) = run_bench(["radix" if "radix" in INSTALLED else "chunk"], workload="long-decode", num_requests=10,
+                       size=4096, max_num_reqs=8, chunk_size=256, check_every=50)
+    assert rep["retractions"] > 0
+    assert rep["leaked_slots"] == 0 and rep["invariant_violations"] == 0
+
+
+def test_sessions_reuse_and_release_under_pressure():
+    reps = run_bench(["chunk"], workload="multi-turn", num_requests=40, size=4096, max_num_reqs=4,
+                     chunk_size=512, check_every=10)
+    rep = reps[0]
+    assert rep["cached_tokens"] > 0  # follow-up turns reuse the session's KV even without a tree
+    assert rep["session_releases"] > 0
+    assert rep["leaked_slots"] == 0 and rep["invariant_violations"] == 0
+    (off,) = run_bench(["chunk"], workload="multi-turn", num_requests=40, sessions=False, size=4096,
+                       max_num_reqs=4, chunk_size=512)
+    assert off["cached_tokens"] == 0
+
+
+def test_write_kv_moves_bytes_on_cpu():
+    (rep,) = run_bench(["chunk"], workload="no-reuse", num_requests=8, write_kv=True, kv_layers=1, kv_heads=1,
+                       kv_head_dim=8, **SMALL)
+    assert rep["kv_bytes_written"] >= (rep["prompt_tokens"] + rep["output_tokens"]) * 2 * 1 * 1 * 8 * 2
+    assert rep["leaked_slots"] == 0
+
+
+def test_determinism_same_seed_same_numbers():
+    def run(seed):
+        return run_bench(INSTALLED[-1:], workload="zipf", num_requests=40, seed=seed, **SMALL)[0]
+
+    a, b, c = run(3), run(3), run(4)
+    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING_KEYS and k != "_timeline"}  # noqa: E731
+    assert strip(a) == strip(b)
+    assert a["workload_digest"] == b["workload_digest"] != c["workload_digest"]
+
+
+def test_workload_digest_covers_content():
+    a = make_workload("shared-prefix", seed=0, num_requests=20)
+    b = make_workload("shared-prefix", seed=0, num_requests=20)
+    assert a.digest == b.digest
+    b.requests[5].output[0] += 1
+    b._digest = None
+    assert a.digest != b.digest
+
+
+def test_shipped_sample_trace_replays():
+    path = sample_trace_path()
+    assert path.is_file()
+    wl = load_trace(None)
+    assert len(wl.requests) == sum(1 for line in path.read_text().splitlines() if line.strip())
+    first = json.loads(path.read_text().splitlines()[0])
+    assert len(wl.requests[0].prompt) == first["input_length"]
+    assert len(wl.requests[0].output) == first["output_length"]
+    # equal hash ids give equal blocks
+    shared = [r for r in wl.requests if r.prompt[:512] == wl.requests[0].prompt[:512]]
+    assert len(shared) > 1
+
+
+def test_generated_trace_round_trips(tmp_path):
+    p = tmp_path / "t.jsonl"
+    generate_sample_trace(p, num_requests=30, seed=5)
+    wl = load_trace(str(p), num_requests=10)
+    assert len(wl.requests) == 10
+    assert wl.digest == load_trace(str(p), num_requests=10).digest
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+def _json(args):
+    res = runner.invoke(app, ["bench", *args, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_cli_json_schema_single_backend():
+    rep = _json(["--backend", "chunk", "-w", "no-reuse", "-n", "12", "--size", "8192"])
+    assert isinstance(rep, dict)
+    for key in SCHEMA_KEYS:
+        assert key in rep, key
+    assert list(rep)[:2] == ["schema_version", "backend"]
+    assert rep["backend"] == "chunk" and rep["device"] == "cpu" and rep["workload"] == "no-reuse"
+    assert len(rep["workload_digest"]) == 64
+    assert set(rep["pools"]["full"]) >= {"capacity", "peak"}
+    assert rep["pools"]["full"]["capacity"] == 8192
+    assert not any(k.startswith("_") for k in rep)
+
+
+def test_cli_compare_gives_a_list_and_a_table():
+    names = ",".join(INSTALLED[:3])
+    reps = _json(["--compare", names, "-w", "zipf", "-n", "20", "--size", "8192"])
+    assert [r["backend"] for r in reps] == INSTALLED[:3]
+    assert len({r["workload_digest"] for r in reps}) == 1
+    res = runner.invoke(app, ["bench", "--compare", names, "-w", "zipf", "-n", "20", "--size", "8192"])
+    assert res.exit_code == 0, res.output
+    assert "hit rate" in res.stdout and INSTALLED[0] in res.stdout
+    if len(INSTALLED) > 1:
+        assert "x)" in res.stdout  # ratios against the first
+    md = runner.invoke(app, ["bench", "-b", "chunk", "-b", INSTALLED[-1], "-n", "10", "--markdown"])
+    assert md.exit_code == 0 and md.stdout.startswith("| metric |")
+
+
+@pytest.mark.skipif("swa" not in INSTALLED or "radix" not in INSTALLED, reason="needs swa and radix")
+def test_swa_alone_also_runs_radix_for_reference():
+    rep = _json(["--backend", "swa", "-w", "long-decode", "-n", "10", "--size", "16384"])
+    assert rep["backend"] == "swa" and rep["reference"]["backend"] == "radix"
+    assert rep["pools"]["swa"]["peak"] < rep["pools"]["full"]["peak"]  # the window pays
+    assert rep["reference"]["workload_digest"] == rep["workload_digest"]
+    assert "reference" not in _json(["--backend", "swa", "-n", "5", "--no-reference"])
+
+
+def test_cli_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run.png"
+    res = runner.invoke(app, ["bench", "--compare", ",".join(INSTALLED[:2]), "-n", "10", "--plot", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_trace_option():
+    rep = _json(["--backend", "chunk", "--trace", str(sample_trace_path()), "-n", "15"])
+    assert rep["workload"] == "trace" and rep["num_requests"] == 15
+
+
+def _main(capsys, *args):
+    """kvcore.cli.main in-process: the same error handling as the console script."""
+    from kvcore.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--backend", "nope"], "nope"),
+        (["--backend", "chunk", "--device", "tpu"], "tpu"),
+        (["--backend", "chunk", "--workload", "bogus"], "bogus"),
+        (["--backend", "chunk", "--trace", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
+        (["--backend", "chunk", "--size", "0"], "--size"),
+        (["--backend", "chunk", "--plot", "out.txt"], "png"),
+        (["--backend", "chunk", "--device", "npu"], "npu"),
+        ([], "--backend"),
+    ],
+)
+def test_cli_errors_are_one_line(capsys, args, needle):
+    code, out, err = _main(capsys, *args)
+    assert code not in (0, None)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvcore: error:") and needle in lines[0]
+    assert out == ""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is present here")
+def test_cli_absent_cuda_is_one_line(capsys):
+    code, out, err = _main(capsys, "--backend", "chunk", "--device", "cuda")
+    assert code == 1 and err.count("\n") == 1 and "CUDA" in err and out == ""
+
+
+def test_console_entry_point_error_and_cheap_import():
+    """One real process: importing the bench command loads no matplotlib and no plugin; errors are one line."""
+    code = (
+        "import sys, kvcore.cli; "
+        "print('matplotlib' in sys.modules, any(m.startswith('kvcore_') for m in sys.modules), flush=True); "
+        "kvcore.cli.main(['bench', '--backend', 'nope'])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "False"]
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kvcore: error:") and "nope" in proc.stderr
+
+
+def test_bad_trace_line_names_the_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_trace(str(p))
