@@ -17,7 +17,12 @@ from kvcore.keys import RadixKey
 from kvcore.plugins import available_backends, available_eviction_policies, plugin_failures
 from kvcore.pools import MHATokenToKVPool, ReqToTokenPool, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
 from kvcore.record import Req, ReqKvInfo
-from kvcore.release import cache_unfinished_req, free_swa_out_of_window_slots, release_kv_cache
+from kvcore.release import (
+    cache_unfinished_req,
+    free_swa_out_of_window_slots,
+    free_swa_out_of_window_slots_batch,
+    release_kv_cache,
+)
 from kvcore.session import SessionSlot, StreamingSession
 
 __version__ = "0.1.0"
@@ -55,6 +60,7 @@ __all__ = [
     "cache_unfinished_req",
     "create_cache",
     "free_swa_out_of_window_slots",
+    "free_swa_out_of_window_slots_batch",
     "hookimpl",
     "hookspec",
     "plugin_failures",

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
+
+import torch
 
 from kvcore.record import ceil_align, floor_align
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache
-    from kvcore.record import Req
+    from kvcore.record import Req, ReqKvInfo
 
-__all__ = ["release_kv_cache", "cache_unfinished_req", "free_swa_out_of_window_slots"]
+__all__ = [
+    "release_kv_cache",
+    "cache_unfinished_req",
+    "free_swa_out_of_window_slots",
+    "free_swa_out_of_window_slots_batch",
+]
 
 
 def _check_released_iff_not_held(req: Req, when: str) -> None:
@@ -68,6 +75,30 @@ def cache_unfinished_req(req: Req, cache: BasePrefixCache, chunked: bool = False
         hook.cache_unfinished_req(req=req, chunked=chunked)
 
 
+def _window_cursor(req: Req, pre_len: int, window: int, page_size: int, is_chunk_cache: bool,
+                   retain_floor: int | None) -> int:
+    """Where ``req``'s SWA cursor moves to; also lifts the cursor to ``swa_dead_lo``."""
+    kv = req.kv
+    if kv.cache_protected_len % page_size:
+        raise ValueError(
+            f"request {req.rid!r}: cache_protected_len={kv.cache_protected_len} is not aligned to page_size={page_size}"
+        )
+    kv.swa_evicted_seqlen = max(kv.swa_evicted_seqlen, kv.swa_dead_lo(page_size))
+    if is_chunk_cache:
+        # No tree, so no tombstone-leaf concern: keep exactly the window.
+        threshold = pre_len - window
+    else:
+        # Keep max(window, page) so the frontier stays below the insert boundary and
+        # the request's last leaf is never all tombstone.
+        threshold = pre_len - max(window, page_size)
+        if retain_floor is not None:
+            threshold = min(threshold, retain_floor)
+    new_cursor = max(kv.swa_evicted_seqlen, threshold)
+    if page_size > 1:
+        new_cursor = floor_align(new_cursor, page_size)
+    return new_cursor
+
+
 def free_swa_out_of_window_slots(
     req: Req,
     pre_len: int,
@@ -88,21 +119,47 @@ def free_swa_out_of_window_slots(
     kv = req.kv
     if not kv.is_held:
         return
-    if kv.cache_protected_len % page_size:
-        raise ValueError(
-            f"request {req.rid!r}: cache_protected_len={kv.cache_protected_len} is not aligned to page_size={page_size}"
-        )
-    kv.swa_evicted_seqlen = max(kv.swa_evicted_seqlen, kv.swa_dead_lo(page_size))
-    if is_chunk_cache:
-        threshold = pre_len - sliding_window_size
-    else:
-        threshold = pre_len - max(sliding_window_size, page_size)
-        if retain_floor is not None:
-            threshold = min(threshold, retain_floor)
-    new_cursor = max(kv.swa_evicted_seqlen, threshold)
-    if page_size > 1:
-        new_cursor = floor_align(new_cursor, page_size)
+    new_cursor = _window_cursor(req, pre_len, sliding_window_size, page_size, is_chunk_cache, retain_floor)
     if new_cursor > kv.swa_evicted_seqlen:
         slots = req_to_token_pool.req_to_token[kv.req_pool_idx, kv.swa_evicted_seqlen:new_cursor]
         token_to_kv_pool_allocator.free_swa(slots)
         kv.swa_evicted_seqlen = new_cursor
+
+
+def free_swa_out_of_window_slots_batch(
+    reqs: Sequence[Req],
+    pre_lens: Sequence[int],
+    *,
+    sliding_window_size: int,
+    page_size: int,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    is_chunk_cache: bool = False,
+    retain_floors: Sequence[int | None] | None = None,
+) -> int:
+    """``free_swa_out_of_window_slots`` for a decode batch, with one free for all of it.
+
+    A free costs a dozen tensor operations whatever its size, so a scheduler that
+    frees window slots every step calls this once per step, not once per request.
+    Returns the number of window positions released.
+    """
+    table = req_to_token_pool.req_to_token
+    width = table.shape[1]
+    flat: list[int] = []
+    moves: list[tuple[ReqKvInfo, int]] = []
+    for i, req in enumerate(reqs):
+        kv = req.kv
+        if not kv.is_held:
+            continue
+        floor = retain_floors[i] if retain_floors is not None else None
+        new_cursor = _window_cursor(req, pre_lens[i], sliding_window_size, page_size, is_chunk_cache, floor)
+        if new_cursor > kv.swa_evicted_seqlen:
+            base = kv.req_pool_idx * width
+            flat.extend(range(base + kv.swa_evicted_seqlen, base + new_cursor))
+            moves.append((kv, new_cursor))
+    if flat:
+        index = torch.tensor(flat, dtype=torch.int64, device=table.device)
+        token_to_kv_pool_allocator.free_swa(table.view(-1)[index])
+        for kv, new_cursor in moves:
+            kv.swa_evicted_seqlen = new_cursor
+    return len(flat)

@@ -1,0 +1,768 @@
+"""Conformance scenarios for sliding-window-attention backends.
+
+:class:`SWACacheConformance` extends :class:`kvcore.testing.PrefixCacheConformance`
+(so the generic scenarios run too).  Subclass it in a test module and provide a
+``make_cache`` fixture: a callable ``make_cache(**options) -> cache`` that builds
+the backend under test from the common options plus ``sliding_window_size`` and
+``swa_size``::
+
+    class TestMySWA(SWACacheConformance):
+        supports_prefix_reuse = True      # False for chunk-like caches
+        page_sizes = (1, 16)
+
+        @pytest.fixture
+        def make_cache(self):
+            def build(**options):
+                return kvcore.create_cache("my-swa", **options)
+            return build
+
+Scenarios: out-of-window freeing during decode (both pools bounded and balanced),
+retraction, chunked prefill, streaming sessions, a seeded mixed workload, and for
+tree caches (skipped when ``cache.is_chunk_cache()``) a match across a tombstone,
+the fall back to the last valid point, healing (also under a full lock), inserts
+with ``swa_evicted_seqlen``, a window lock that stops at the window (and survives
+splits), early window unlock, eviction counts of both pools, and a hypothesis
+state machine with window eviction and early unlocks.  Every scenario ends with
+``kvcore.InvariantChecker``, which counts both pools.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+from kvcore.invariants import InvariantChecker
+from kvcore.keys import RadixKey
+from kvcore.record import Req, floor_align
+from kvcore.release import cache_unfinished_req, free_swa_out_of_window_slots, release_kv_cache
+from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance
+from kvcore.testing.helpers import alloc_slots
+
+__all__ = ["SWACacheConformance", "SWACacheStateMachine", "SWAEngine", "window_slots_held"]
+
+
+def window_slots_held(kv) -> int:
+    """Window slots a running record holds itself: ``[max(protected, cursor), allocated)``."""
+    if not kv.is_held:
+        return 0
+    return max(0, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
+
+
+class SWAEngine:
+    """A minimal engine that drives a cache through kvcore's engine protocol.
+
+    admit (match, lock, row), prefill in chunks (``cache_unfinished_req`` between
+    chunks), decode one token at a time (``free_swa_out_of_window_slots`` after
+    each), finish or retract (``release_kv_cache``).
+    """
+
+    def __init__(self, cache, *, release_window_lock_after: Optional[int] = None):
+        self.cache = cache
+        self.checker = InvariantChecker(cache)
+        self.live: list[Req] = []
+        self.release_window_lock_after = release_window_lock_after
+        self._decoded: dict[int, int] = {}
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    def check(self, extra=()) -> list:
+        reports = self.checker.check(owners=list(self.live) + list(extra))
+        sanity = getattr(self.cache, "sanity_check", None)
+        if sanity is not None:
+            sanity()
+        return reports
+
+    def admit(self, req: Req, match=None) -> Req:
+        cache = self.cache
+        key = RadixKey(req.fill_ids, req.extra_key)
+        m = cache.match_prefix(key, req) if req.session_id is not None else cache.match_prefix(key)
+        req.prefix_indices = m.device_indices
+        req.last_node = m.last_device_node
+        n = int(m.device_indices.numel())
+        kv = req.kv
+        if req.session_id is not None and kv.is_held:
+            # A session handed its record back: positions [0, n) are already in the row.
+            pass
+        else:
+            kv.cache_protected_len = n
+            req.lock = cache.inc_lock_ref(req.last_node)
+            if cache.req_to_token_pool.alloc([req]) is None:
+                raise RuntimeError("no req_to_token row left")
+            if n:
+                cache.req_to_token_pool.req_to_token[kv.req_pool_idx, :n] = m.device_indices.to(torch.int32)
+            kv.kv_committed_len = kv.kv_allocated_len = n
+        self.live.append(req)
+        self._decoded[id(req)] = 0
+        return req
+
+    def _alloc(self, req: Req, end: int) -> None:
+        cache = self.cache
+        kv = req.kv
+        start = kv.kv_allocated_len
+        if end <= start:
+            return
+        alloc = cache.token_to_kv_pool_allocator
+        row = cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        if self.page_size == 1:
+            slots = alloc.alloc(end - start)
+        else:
+            last = int(row[start - 1]) if start else -1
+            slots = alloc.alloc_extend([start], [start], [end], [end], [last], end - start)
+        if slots is None:
+            ev = cache.evict(end - start + self.page_size, end - start + self.page_size)
+            del ev
+            if self.page_size == 1:
+                slots = alloc.alloc(end - start)
+            else:
+                slots = alloc.alloc_extend([start], [start], [end], [end], [last], end - start)
+        if slots is None:
+            raise MemoryError(f"cannot allocate {end - start} slots for {req.rid!r}")
+        row[start:end] = slots.to(torch.int32)
+        kv.kv_allocated_len = kv.kv_committed_len = end
+
+    def prefill(self, req: Req, chunk: Optional[int] = None) -> None:
+        """Compute the prompt (all of ``fill_ids``) in chunks of ``chunk`` tokens."""
+        total = req.seqlen
+        chunk = chunk or total
+        while req.kv.kv_allocated_len < total:
+            end = min(total, req.kv.kv_allocated_len + chunk)
+            self._alloc(req, end)
+            if self.cache.is_chunk_cache():
+                self._free_window(req)
+            if end < total:
+                cache_unfinished_req(req, self.cache, chunked=True)
+
+    def _free_window(self, req: Req) -> None:
+        cache = self.cache
+        free_swa_out_of_window_slots(
+            req,
+            req.kv.kv_allocated_len,
+            sliding_window_size=cache.sliding_window_size,
+            page_size=cache.page_size,
+            req_to_token_pool=cache.req_to_token_pool,
+            token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator,
+            is_chunk_cache=cache.is_chunk_cache(),
+            retain_floor=cache.swa_retain_floor(req),
+        )
+
+    def decode(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        self._alloc(req, req.kv.kv_allocated_len + 1)
+        self._free_window(req)
+        n = self._decoded[id(req)] = self._decoded.get(id(req), 0) + 1
+        after = self.release_window_lock_after
+        if after is not None and n == after and hasattr(self.cache, "dec_swa_lock_only"):
+            lock = req.lock
+            if req.last_node is not None and lock is not None and not (lock.extras or {}).get("swa_released"):
+                self.cache.dec_swa_lock_only(req.last_node, lock)
+
+    def finish(self, req: Req, is_insert: bool = True) -> None:
+        self.live.remove(req)
+        release_kv_cache(req, self.cache, is_insert=is_insert)
+
+    def run(self, prompt: list[int], decode: list[int] = (), rid: str = "r", **kw) -> Req:
+        req = self.admit(Req(rid, list(prompt), **kw))
+        self.prefill(req)
+        for t in decode:
+            self.decode(req, t)
+        return req
+
+
+try:
+    from hypothesis import strategies as st
+    from hypothesis.stateful import precondition, rule
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    SWACacheStateMachine = None  # type: ignore[assignment,misc]
+else:
+
+    class SWACacheStateMachine(CacheStateMachine):
+        """The generic state machine plus window eviction and early window unlocks.
+
+        After every step the invariant checker counts both pools, and a backend with
+        ``sanity_check()`` recounts its sizes and LRU orders.
+        """
+
+        @rule(n=st.integers(0, 120), m=st.integers(0, 120))
+        def evict_both(self, n, m):
+            cache = self.cache
+            a = cache.token_to_kv_pool_allocator
+            before = (a.full_available_size(), a.swa_available_size())
+            res = cache.evict(n, m)
+            assert (a.full_available_size() - before[0], a.swa_available_size() - before[1]) == (
+                res.num_tokens_evicted,
+                res.swa_num_tokens_evicted,
+            )
+
+        @precondition(lambda self: self.locks or self.live)
+        @rule(i=st.integers(0, 100))
+        def release_window_lock(self, i):
+            holders = [(n, lk) for n, lk in self.locks] + [(r.last_node, r.lock) for r in self.live]
+            node, lock = holders[i % len(holders)]
+            if node is None or lock is None or (lock.extras or {}).get("swa_released"):
+                return
+            if not hasattr(self.cache, "dec_swa_lock_only") or self.cache.is_chunk_cache():
+                return
+            self.cache.dec_swa_lock_only(node, lock)
+
+        @rule()
+        def sanity(self):
+            check = getattr(self.cache, "sanity_check", None)
+            if check is not None:
+                check()
+
+
+def _toks(n: int, start: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+class SWACacheConformance(PrefixCacheConformance):
+    """SWA scenarios every sliding-window backend passes; subclass it with ``make_cache``."""
+
+    #: the generic scenarios build caches with these (a window of 8 tokens; swa_size defaults to size)
+    backend_options: dict = {"sliding_window_size": 8}
+    #: options every SWA scenario cache gets, on top of the ones it sets itself
+    swa_extra_options: dict = {}
+
+    @pytest.fixture
+    def swa_cache(self, make_cache, page_size) -> Callable[..., Any]:
+        """``swa_cache(window_pages=2, **options)``: a cache with W = window_pages pages."""
+
+        def build(window_pages: float = 2, **options):
+            p = page_size
+            opts = dict(
+                page_size=p,
+                sliding_window_size=max(1, int(window_pages * p)),
+                size=256 * p,
+                swa_size=128 * p,
+                max_num_reqs=16,
+                max_context_len=64 * p,
+            )
+            opts.update(self.swa_extra_options)
+            opts.update(options)
+            return make_cache(**opts)
+
+        return build
+
+    @pytest.fixture(autouse=True)
+    def _insert_frees_duplicates_aware(self, monkeypatch):
+        """SWA's ``insert`` frees the caller's duplicates itself (SGLang's SWARadixCache does);
+        the generic suite's insert helper must then give back only the unaligned tail."""
+        from kvcore.testing import conformance
+
+        original = conformance._insert_owned
+        if getattr(original, "handles_insert_frees_duplicates", False):
+            return
+
+        def insert_owned(cache, key, reuse):
+            if not getattr(cache, "insert_frees_duplicates", False):
+                return original(cache, key, reuse)
+            page = cache.page_size
+            n = len(key)
+            aligned = floor_align(n, page)
+            slots = alloc_slots(cache, -(-n // page) * page)
+            if slots is None:
+                return None
+            res = cache.insert(key, slots[:n])
+            if slots[aligned:].numel():
+                cache.token_to_kv_pool_allocator.free(slots[aligned:])
+            return res
+
+        insert_owned.handles_insert_frees_duplicates = True
+        monkeypatch.setattr(conformance, "_insert_owned", insert_owned)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _tree_only(cache) -> None:
+        if cache.is_chunk_cache():
+            pytest.skip("tree scenario: chunk caches keep no prefix")
+
+    @staticmethod
+    def _pool_deltas(cache, before):
+        a = cache.token_to_kv_pool_allocator
+        return a.full_available_size() - before[0], a.swa_available_size() - before[1]
+
+    @staticmethod
+    def _avail(cache):
+        a = cache.token_to_kv_pool_allocator
+        return a.full_available_size(), a.swa_available_size()
+
+    # ------------------------------------------------------------------ traits and sizes
+
+    def test_swa_traits(self, swa_cache):
+        cache = swa_cache()
+        assert cache.supports_swa()
+        assert cache.sliding_window_size == 2 * cache.page_size
+        for name in ("full_evictable_size", "swa_evictable_size", "full_protected_size", "swa_protected_size"):
+            assert getattr(cache, name)() == 0
+        res = cache.evict(0, 0)
+        assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 0)
+        with pytest.raises(ValueError):
+            cache.evict(-1)
+        with pytest.raises(ValueError):
+            cache.evict(0, -1)
+        SWAEngine(cache).check()
+
+    # ------------------------------------------------------------------ decode frees the window
+
+    def test_swa_decode_frees_out_of_window_slots(self, swa_cache):
+        cache = swa_cache()
+        p, w = cache.page_size, cache.sliding_window_size
+        eng = SWAEngine(cache)
+        reqs = [eng.admit(Req(f"r{i}", _toks(3 * p + i, 1000 * i))) for i in range(3)]
+        for r in reqs:
+            eng.prefill(r)
+        bound = w + 2 * p
+        for step in range(6 * p):
+            for i, r in enumerate(reqs):
+                eng.decode(r, 7 + step)
+                assert window_slots_held(r.kv) <= bound, (r, bound)
+            if step % p == 0:
+                reports = {rep.pool: rep for rep in eng.check()}
+                assert reports["swa"].uncached <= 3 * bound
+        for r in reqs:
+            assert r.kv.swa_evicted_seqlen > 0
+            assert r.kv.swa_evicted_seqlen % p == 0
+        for r in reqs:
+            eng.finish(r)
+            eng.check()
+        if not cache.is_chunk_cache():
+            # The decoded tails went into the tree, their out-of-window part as tombstones.
+            assert cache.full_evictable_size() > cache.swa_evictable_size()
+        cache.evict(10**9, 10**9)
+        a = cache.token_to_kv_pool_allocator
+        assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+        eng.check()
+
+    def test_swa_retract_mid_decode(self, swa_cache):
+        cache = swa_cache()
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        base = eng.run(_toks(4 * p, 0), rid="base")
+        eng.finish(base)
+        r = eng.run(_toks(4 * p, 0) + _toks(p + 1, 500), _toks(5 * p, 900), rid="victim")
+        assert r.kv.cache_protected_len > 0 or cache.is_chunk_cache()
+        eng.check()
+        eng.finish(r, is_insert=False)
+        eng.check()
+        # Retracted: nothing of it was inserted.
+        if not cache.is_chunk_cache():
+            m = cache.match_prefix(RadixKey(r.fill_ids))
+            assert m.prefix_len == 4 * p
+        eng.check()
+
+    def test_swa_chunked_prefill(self, swa_cache):
+        cache = swa_cache()
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        r = eng.admit(Req("chunky", _toks(10 * p + p // 2 + 1, 50)))
+        eng.prefill(r, chunk=3 * p)
+        eng.check()
+        protected = r.kv.cache_protected_len
+        if not cache.is_chunk_cache():
+            assert protected == 9 * p  # the chunks before the last one are in the tree
+        for t in range(3 * p):
+            eng.decode(r, t)
+        eng.check()
+        eng.finish(r)
+        eng.check()
+        if not cache.is_chunk_cache():
+            # Decode freed the window of [protected, cursor): inserted as a tombstone, so a
+            # query ending inside it falls back to the chunked part...
+            assert cache.match_prefix(RadixKey(_toks(10 * p, 50))).prefix_len == protected
+            # ...while the whole request keeps W live tokens after it.
+            full = floor_align(r.seqlen, p)
+            assert cache.match_prefix(RadixKey(r.fill_ids[:full])).prefix_len == full
+        eng.check()
+
+    def test_swa_session_turns(self, swa_cache):
+        from kvcore.session import StreamingSession
+
+        inner = swa_cache()
+        session = StreamingSession(inner)
+        p = inner.page_size
+        eng = SWAEngine(session)
+        t1 = eng.run(_toks(3 * p, 10), _toks(4 * p, 300), rid="t1", session_id="s")
+        eng.finish(t1)
+        eng.check()
+        t2 = eng.admit(Req("t2", t1.fill_ids + _toks(p, 700), session_id="s"))
+        assert t2.kv is session.slots["s"].kv
+        eng.prefill(t2)
+        for t in range(4 * p):
+            eng.decode(t2, t)
+            assert window_slots_held(t2.kv) <= inner.sliding_window_size + 2 * p
+        eng.check()
+        eng.finish(t2)
+        eng.check()
+        session.release_session("s")
+        eng.check()
+        inner.evict(10**9, 10**9)
+        a = inner.token_to_kv_pool_allocator
+        assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+        eng.check()
+
+    def test_swa_random_workload(self, swa_cache):
+        """Mixed shared prefixes, chunked prefill, decode, early window unlock, evictions, retracts."""
+        cache = swa_cache(window_pages=1.5, size=512 * 16, swa_size=96 * 16)
+        p = cache.page_size
+        eng = SWAEngine(cache, release_window_lock_after=cache.sliding_window_size)
+        rng = random.Random(1234 + p)
+        bases = [_toks(5 * p, 0), _toks(3 * p, 0) + _toks(3 * p, 200), _toks(4 * p, 400)]
+        for it in range(60):
+            if eng.live and (rng.random() < 0.35 or len(eng.live) >= 5):
+                r = eng.live[rng.randrange(len(eng.live))]
+                eng.finish(r, is_insert=rng.random() < 0.85)
+            else:
+                prompt = rng.choice(bases)[: rng.randrange(1, 6 * p)] + [rng.randrange(50) for _ in range(rng.randrange(1, 2 * p))]
+                r = eng.admit(Req(f"r{it}", prompt, extra_key=rng.choice([None, None, "lora"])))
+                eng.prefill(r, chunk=rng.choice([None, p, 2 * p]))
+                for _ in range(rng.randrange(0, 4 * p)):
+                    eng.decode(r, rng.randrange(50))
+            eng.check()
+            if rng.random() < 0.25:
+                a = cache.token_to_kv_pool_allocator
+                before = (a.full_available_size(), a.swa_available_size())
+                res = cache.evict(rng.randrange(3 * p), rng.randrange(3 * p))
+                assert (a.full_available_size() - before[0], a.swa_available_size() - before[1]) == (
+                    res.num_tokens_evicted,
+                    res.swa_num_tokens_evicted,
+                )
+                eng.check()
+        for r in list(eng.live):
+            eng.finish(r)
+        eng.check()
+
+    # ------------------------------------------------------------------ tombstones
+
+    def _two_branches(self, cache, eng):
+        """Tree: A=[0,4P) with children B=[4P,8P) and C=[4P,8P)' ; returns (key_b, key_c)."""
+        p = cache.page_size
+        key_b = _toks(8 * p, 0)
+        key_c = _toks(4 * p, 0) + _toks(4 * p, 5000)
+        eng.finish(eng.run(key_b, rid="b"))
+        eng.finish(eng.run(key_c, rid="c"))
+        eng.check()
+        return key_b, key_c
+
+    def _tombstone_shared_prefix(self, cache, key_b, key_c) -> None:
+        """Window-lock both leaves (W <= 4P covers only them) and window-evict A = [0, 4P)."""
+        p = cache.page_size
+        locks = []
+        for key in (key_b, key_c):
+            m = cache.match_prefix(RadixKey(key))
+            locks.append((m.last_device_node, cache.inc_lock_ref(m.last_device_node)))
+        assert cache.swa_protected_size() == 8 * p and cache.full_protected_size() == 12 * p
+        before = self._avail(cache)
+        res = cache.evict(0, 4 * p)
+        assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 4 * p)
+        assert self._pool_deltas(cache, before) == (0, 4 * p)
+        for node, lock in locks:
+            cache.dec_lock_ref(node, lock)
+        assert cache.full_evictable_size() == 12 * p and cache.swa_evictable_size() == 8 * p
+
+    def test_swa_match_across_tombstone(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size  # W = 2P
+        eng = SWAEngine(cache)
+        key_b, key_c = self._two_branches(cache, eng)
+        self._tombstone_shared_prefix(cache, key_b, key_c)
+        eng.check()
+        # Full match: 4P live tokens after the tombstone >= W.
+        assert cache.match_prefix(RadixKey(key_b)).prefix_len == 8 * p
+        # Exactly W live after the tombstone is still valid.
+        assert cache.match_prefix(RadixKey(key_b[: 6 * p])).prefix_len == 6 * p
+        # Fewer than W live after the tombstone: fall back to before the tombstone (the root).
+        m = cache.match_prefix(RadixKey(key_b[: 5 * p]))
+        assert m.prefix_len == 0
+        assert cache.match_prefix(RadixKey(key_b[: 4 * p])).prefix_len == 0
+        eng.check()
+
+    def test_swa_match_falls_back_to_last_valid_point(self, swa_cache):
+        cache = swa_cache()  # W = 2P
+        self._tree_only(cache)
+        p = cache.page_size
+        a = cache.token_to_kv_pool_allocator
+        key = _toks(10 * p, 0)
+        cache.insert(RadixKey(key[: 4 * p]), a.alloc(4 * p))
+        x = cache.match_prefix(RadixKey(key[: 4 * p])).device_indices
+        new = a.alloc(6 * p)
+        a.free_swa(new[: 2 * p])  # [4P, 6P) left the window
+        res = cache.insert(RadixKey(key), torch.cat([x, new]), prev_prefix_len=4 * p, swa_evicted_seqlen=6 * p)
+        assert res.prefix_len == 4 * p
+        # X = [0, 4P) live, Y = [4P, 6P) tombstone, Z = [6P, 10P) live.
+        assert cache.full_evictable_size() == 10 * p and cache.swa_evictable_size() == 8 * p
+        m = cache.match_prefix(RadixKey(key[: 7 * p]))  # only P live after Y: back to X's end
+        assert m.prefix_len == 4 * p and torch.equal(m.device_indices, x)
+        assert cache.match_prefix(RadixKey(key[: 8 * p])).prefix_len == 8 * p
+        assert cache.match_prefix(RadixKey(key[: 5 * p])).prefix_len == 4 * p
+        assert cache.match_prefix(RadixKey(key + [1, 2])).prefix_len == 10 * p
+        SWAEngine(cache).check()
+
+    def test_swa_heal_tombstone(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        key_b, key_c = self._two_branches(cache, eng)
+        self._tombstone_shared_prefix(cache, key_b, key_c)
+        assert cache.match_prefix(RadixKey(key_b[: 4 * p] + _toks(p, 4242))).prefix_len == 0
+        swa_before = cache.swa_evictable_size()
+        r = eng.run(key_b[: 4 * p] + _toks(p, 4242), rid="healer")
+        assert r.kv.cache_protected_len == 0
+        eng.finish(r)
+        # A got r's live window slots back; the new leaf was added too.
+        assert cache.swa_evictable_size() == swa_before + 4 * p + p
+        assert cache.match_prefix(RadixKey(key_b[: 4 * p])).prefix_len == 4 * p
+        eng.check()
+
+    def test_swa_heal_tombstone_under_a_full_lock(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        key_b, key_c = self._two_branches(cache, eng)
+        self._tombstone_shared_prefix(cache, key_b, key_c)
+        holder = eng.admit(Req("holder", key_b + [1]))  # locks B (window) and A (full only)
+        assert holder.kv.cache_protected_len == 8 * p
+        assert cache.full_protected_size() == 8 * p and cache.swa_protected_size() == 4 * p
+        held = holder.prefix_indices[: 4 * p].clone()
+        eng.prefill(holder)
+        r = eng.run(key_b[: 4 * p] + _toks(p, 31337), rid="healer")
+        eng.finish(r)
+        # The locked full slots stay where the holder reads them.
+        m = cache.match_prefix(RadixKey(key_b[: 4 * p]))
+        assert m.prefix_len == 4 * p and torch.equal(m.device_indices, held)
+        eng.check()
+        eng.finish(holder)
+        eng.check()
+
+    def test_swa_insert_stores_evicted_part_as_tombstone(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p, w = cache.page_size, cache.sliding_window_size
+        a = cache.token_to_kv_pool_allocator
+        slots = a.alloc(8 * p)
+        a.free_swa(slots[: 4 * p])  # the window left these
+        res = cache.insert(RadixKey(_toks(8 * p, 0)), slots, swa_evicted_seqlen=4 * p)
+        assert res.prefix_len == 0
+        assert cache.full_evictable_size() == 8 * p and cache.swa_evictable_size() == 4 * p
+        owners = list(cache.iter_owned_slots())
+        assert sum(o.slots.numel() for o in owners if o.pool == "full") == 8 * p
+        assert sum(o.slots.numel() for o in owners if o.pool == "swa") == 4 * p
+        assert cache.match_prefix(RadixKey(_toks(8 * p, 0))).prefix_len == 8 * p  # 4P >= W live
+        assert cache.match_prefix(RadixKey(_toks(5 * p, 0))).prefix_len == (5 * p if p >= w else 0)
+        # A duplicate insert frees the caller's copy (both sides above the cursor).
+        dup = a.alloc(8 * p)
+        before = self._avail(cache)
+        assert cache.insert(RadixKey(_toks(8 * p, 0)), dup, prev_prefix_len=0).prefix_len == 8 * p
+        # The tombstone part [0, 4P) was healed with dup's live window slots.
+        d_full, d_swa = self._pool_deltas(cache, before)
+        assert d_full == 8 * p and d_swa == 4 * p
+        assert cache.swa_evictable_size() == 8 * p
+        SWAEngine(cache).check()
+
+    def test_swa_insert_all_dead_tail_is_not_kept(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        a = cache.token_to_kv_pool_allocator
+        slots = a.alloc(4 * p)
+        before = self._avail(cache)
+        cache.insert(RadixKey(_toks(4 * p, 0)), slots, swa_evicted_seqlen=4 * p)
+        # A leaf may not be a tombstone: nothing is kept, and the window side is released too.
+        assert cache.full_evictable_size() == 0 and cache.swa_evictable_size() == 0
+        assert self._pool_deltas(cache, before) == (4 * p, 4 * p)
+        SWAEngine(cache).check()
+
+    # ------------------------------------------------------------------ locks
+
+    def _chain(self, cache, eng, pages_per_node=2, nodes=3):
+        """A chain of ``nodes`` internal-ish nodes of ``pages_per_node`` pages, via siblings."""
+        p = cache.page_size
+        n = pages_per_node * p
+        key = _toks(nodes * n, 0)
+        eng.finish(eng.run(key, rid="chain"))
+        for i in range(1, nodes):
+            eng.finish(eng.run(key[: i * n] + _toks(p, 10000 * i), rid=f"sib{i}"))
+        eng.check()
+        return key
+
+    def test_swa_window_lock_stops_at_the_window(self, swa_cache):
+        cache = swa_cache()  # W = 2P
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        key = self._chain(cache, eng)
+        m = cache.match_prefix(RadixKey(key))
+        assert m.prefix_len == 6 * p
+        lock = cache.inc_lock_ref(m.last_device_node)
+        assert lock.delta == 6 * p
+        assert lock.swa_stop is not None
+        assert cache.full_protected_size() == 6 * p and cache.swa_protected_size() == 2 * p
+        # Window eviction may take the window of the unlocked upper nodes, not the locked tail.
+        res = cache.evict(0, 10**6)
+        assert cache.swa_protected_size() == 2 * p
+        assert res.num_tokens_evicted == 2 * p  # the two sibling leaves, both sides
+        assert cache.match_prefix(RadixKey(key)).prefix_len == 6 * p  # W live after the tombstones
+        cache.dec_lock_ref(m.last_device_node, lock)
+        assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
+        with pytest.raises(ValueError):
+            cache.dec_lock_ref(m.last_device_node, lock)
+        SWAEngine(cache).check()
+
+    def test_swa_window_lock_survives_a_split(self, swa_cache):
+        cache = swa_cache(window_pages=3)  # W = 3P: the lock covers the leaf and the middle node
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        key = self._chain(cache, eng)
+        m = cache.match_prefix(RadixKey(key))
+        lock = cache.inc_lock_ref(m.last_device_node)
+        assert cache.swa_protected_size() == 4 * p
+        # Split the middle node [2P, 4P) at 3P, and the leaf at 5P.
+        cache.match_prefix(RadixKey(key[: 3 * p] + _toks(p, 99999)))
+        cache.match_prefix(RadixKey(key[: 5 * p]))
+        assert cache.swa_protected_size() == 4 * p
+        cache.dec_lock_ref(m.last_device_node, lock)
+        assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
+        SWAEngine(cache).check()
+
+    def test_swa_early_window_unlock(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p, w = cache.page_size, cache.sliding_window_size
+        eng = SWAEngine(cache)
+        prompt = _toks(4 * p, 0)
+        eng.finish(eng.run(prompt, rid="warm"))
+        r = eng.run(prompt + [1], rid="long")
+        assert r.kv.cache_protected_len == 4 * p
+        assert cache.swa_protected_size() > 0
+        for t in range(w + 2 * p):
+            eng.decode(r, t)
+        eng.check()
+        res = cache.dec_swa_lock_only(r.last_node, r.lock)
+        assert res.extras["swa_delta"] < 0
+        assert cache.swa_protected_size() == 0
+        assert cache.full_protected_size() == 4 * p
+        eng.check()
+        with pytest.raises(ValueError):
+            cache.dec_swa_lock_only(r.last_node, r.lock)
+        cache.evict(0, 10**6)
+        eng.check()
+        eng.finish(r)
+        assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
+        eng.check()
+
+    def test_swa_dec_lock_on_unlocked_node_is_rejected(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        eng.finish(eng.run(_toks(4 * p, 0), rid="x"))
+        m = cache.match_prefix(RadixKey(_toks(4 * p, 0)))
+        sizes = cache.cached_sizes()
+        with pytest.raises(ValueError):
+            cache.dec_lock_ref(m.last_device_node)
+        assert cache.cached_sizes() == sizes
+        eng.check()
+
+    # ------------------------------------------------------------------ evict
+
+    def test_swa_evict_reports_both_counts(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        self._two_branches(cache, eng)
+        before = self._avail(cache)
+        res = cache.evict(p, 0)
+        d = self._pool_deltas(cache, before)
+        assert d == (res.num_tokens_evicted, res.swa_num_tokens_evicted)
+        assert res.num_tokens_evicted >= p and res.swa_num_tokens_evicted == res.num_tokens_evicted
+        eng.check()
+        before = self._avail(cache)
+        res = cache.evict(0, 4 * p)
+        assert self._pool_deltas(cache, before) == (res.num_tokens_evicted, res.swa_num_tokens_evicted)
+        assert res.swa_num_tokens_evicted >= 4 * p
+        eng.check()
+        before = self._avail(cache)
+        res = cache.evict(10**6, 10**6)
+        assert self._pool_deltas(cache, before) == (res.num_tokens_evicted, res.swa_num_tokens_evicted)
+        assert cache.full_evictable_size() == 0 and cache.swa_evictable_size() == 0
+        eng.check()
+
+    def test_swa_full_eviction_removes_uncovered_tombstones(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        key_b, key_c = self._two_branches(cache, eng)
+        self._tombstone_shared_prefix(cache, key_b, key_c)
+        res = cache.evict(8 * p, 0)  # both leaves, then the tombstone they uncover
+        assert res.num_tokens_evicted == 12 * p and res.swa_num_tokens_evicted == 8 * p
+        assert cache.total_size() == 0
+        eng.check()
+
+    # ------------------------------------------------------------------ errors
+
+    def test_swa_bad_insert_leaves_tree_unchanged(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        eng.finish(eng.run(_toks(4 * p, 0), rid="x"))
+        sizes = cache.cached_sizes()
+        a = cache.token_to_kv_pool_allocator
+        slots = a.alloc(4 * p)
+        avail = self._avail(cache)
+        bad = [
+            dict(key=_toks(4 * p, 0), value=slots[:-1]),
+            dict(key=_toks(4 * p, 0), value=slots.float()),
+            dict(key=[-1] + _toks(4 * p - 1, 0), value=slots),
+            dict(key=_toks(4 * p, 0), value=slots, prev_prefix_len=-p),
+            dict(key=_toks(4 * p, 0), value=slots, prev_prefix_len=8 * p),
+        ]
+        if p > 1:
+            bad.append(dict(key=_toks(4 * p, 0), value=slots, swa_evicted_seqlen=1))
+        for kw in bad:
+            with pytest.raises((ValueError, TypeError)):
+                cache.insert(kw.pop("key"), **kw)
+            assert cache.cached_sizes() == sizes and self._avail(cache) == avail
+        a.free(slots)
+        eng.check()
+
+    def test_swa_extra_key_isolation(self, swa_cache):
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = SWAEngine(cache)
+        eng.finish(eng.run(_toks(4 * p, 0), rid="a", extra_key="lora-a"))
+        assert cache.match_prefix(RadixKey(_toks(4 * p, 0), "lora-b")).prefix_len == 0
+        assert cache.match_prefix(RadixKey(_toks(4 * p, 0))).prefix_len == 0
+        assert cache.match_prefix(RadixKey(_toks(4 * p, 0), "lora-a")).prefix_len == 4 * p
+        eng.check()
+
+    def test_swa_state_machine(self, build, page_size):
+        """The generic rules plus window eviction and early window unlocks."""
+        if SWACacheStateMachine is None:
+            pytest.skip("hypothesis is not installed")
+        from hypothesis import HealthCheck, settings
+        from hypothesis.stateful import run_state_machine_as_test
+
+        reuse = self.supports_prefix_reuse
+        run_state_machine_as_test(
+            lambda: SWACacheStateMachine(build, page_size, reuse),
+            settings=settings(
+                max_examples=self.state_machine_examples,
+                stateful_step_count=self.state_machine_steps,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                derandomize=True,
+            ),
+        )

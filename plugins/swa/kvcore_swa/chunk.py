@@ -1,0 +1,91 @@
+"""SWAChunkCache: chunked prefill without prefix reuse on a full + window pool."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from kvcore.cache import EvictResult, InsertResult, MatchResult
+from kvcore.chunk_cache import ChunkCache
+
+from kvcore_swa.tree import checked_key
+
+if TYPE_CHECKING:
+    from kvcore.config import CacheInitParams
+    from kvcore.record import Req
+
+__all__ = ["SWAChunkCache"]
+
+
+class SWAChunkCache(ChunkCache):
+    """SGLang's SWAChunkCache: a request's KV lives and dies with it.
+
+    While the request runs, ``kvcore.free_swa_out_of_window_slots`` (with
+    ``is_chunk_cache=True``) frees the window slots that left its window; on
+    finish ``[cache_protected_len, committed)`` goes back, full side only below
+    the request's ``swa_evicted_seqlen``.
+    """
+
+    def __init__(self, params: CacheInitParams, sliding_window_size: Optional[int] = None):
+        alloc = params.token_to_kv_pool_allocator
+        for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
+            if not hasattr(alloc, attr):
+                raise TypeError(
+                    f"SWAChunkCache needs an SWATokenToKVPoolAllocator (full and window pools), "
+                    f"got {type(alloc).__name__} without {attr}()"
+                )
+        super().__init__(params)
+        if sliding_window_size is None:
+            sliding_window_size = getattr(params.config, "sliding_window_size", None)
+        if sliding_window_size is None or sliding_window_size <= 0:
+            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {sliding_window_size}")
+        self.sliding_window_size = int(sliding_window_size)
+
+    def supports_swa(self) -> bool:
+        return True
+
+    def match_prefix(self, key) -> MatchResult:
+        checked_key(key)
+        return MatchResult(device_indices=self._empty, last_device_node=None, best_match_node=None)
+
+    def insert(self, key, value: Optional[torch.Tensor] = None, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0) -> InsertResult:
+        """Keeps nothing; the caller keeps (and frees) ``value``."""
+        key = checked_key(key)
+        if value is not None and len(value) != len(key):
+            raise ValueError(f"value has {len(value)} slots but the key has {len(key)} tokens")
+        return InsertResult(prefix_len=0)
+
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
+        for name, v in (("num_tokens", num_tokens), ("swa_num_tokens", swa_num_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        return EvictResult(0, 0)
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        kv = req.kv
+        # A cursor that jumped over [protected, swa_dead_lo) left those window slots
+        # mapped; the row free below treats everything under the cursor as window-dead.
+        hi = min(kv.swa_evicted_seqlen, kv.kv_committed_len, kv.swa_dead_lo(self.page_size))
+        if hi > kv.cache_protected_len:
+            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, kv.cache_protected_len : hi]
+            self.token_to_kv_pool_allocator.free_swa(row.to(torch.int64))
+        super().cache_finished_req(req, is_insert)
+
+    # Nothing is ever cached: every size is zero.
+    def full_evictable_size(self) -> int:
+        return 0
+
+    def swa_evictable_size(self) -> int:
+        return 0
+
+    def full_protected_size(self) -> int:
+        return 0
+
+    def swa_protected_size(self) -> int:
+        return 0
+
+    def dec_swa_lock_only(self, node: Any, lock: Any = None):
+        from kvcore.cache import LockResult
+
+        return LockResult(0)

@@ -1,0 +1,28 @@
+"""Entry point ``swa`` in group ``kvcore``: registers the ``swa`` and ``swa-chunk`` backends."""
+
+from __future__ import annotations
+
+from kvcore.hookspecs import hookimpl
+
+from kvcore_swa.chunk import SWAChunkCache
+from kvcore_swa.config import SWAChunkConfig, SWAConfig
+from kvcore_swa.tree import SWARadixCache
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register(
+        "swa",
+        SWARadixCache,
+        config=SWAConfig,
+        description=(
+            "Sliding-window attention radix tree on a full + window pool: tombstones, "
+            "two LRU orders, window-bounded locks (SGLang SWARadixCache)"
+        ),
+    )
+    register(
+        "swa-chunk",
+        SWAChunkCache,
+        config=SWAChunkConfig,
+        description="Sliding-window attention without prefix reuse: frees out-of-window slots (SGLang SWAChunkCache)",
+    )

@@ -1,0 +1,1053 @@
+"""SWARadixCache: a radix tree over a full pool and a sliding-window pool.
+
+Behaviour follows SGLang 0.5.19's ``SWARadixCache`` (written anew here):
+
+* Every node holds full-pool slots.  A node whose window slots were freed (window
+  eviction, or a request's out-of-window tail) is a *tombstone*: it keeps its full
+  slots, has no window slots and is not in the window LRU.  An unlocked leaf is
+  never a tombstone.
+* A match is valid up to a point with no tombstone on its path, or with at least
+  ``sliding_window_size`` live tokens after the last tombstone; otherwise it falls
+  back to the best earlier valid point.
+* Two LRU orders: full eviction frees unlocked leaves (both sides) and then the
+  tombstone leaves it uncovers; window eviction frees the window side of any
+  node without a window lock, tombstoning internal nodes and deleting leaves.
+* Locks: the full lock covers the path to the root; the window lock covers only
+  the nodes holding the last ``sliding_window_size`` tokens and remembers where it
+  stopped (``LockResult.swa_stop``) so that the unlock stops there too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+
+from kvcore.cache import (
+    BasePrefixCache,
+    EvictResult,
+    InsertResult,
+    LockResult,
+    MatchResult,
+    SlotOwner,
+    free_kv_row_segments,
+)
+from kvcore.keys import RadixKey, as_radix_key
+from kvcore.record import floor_align
+
+if TYPE_CHECKING:
+    from kvcore.config import CacheInitParams
+    from kvcore.record import Req, ReqKvInfo
+
+__all__ = ["SWARadixCache", "SWATreeNode"]
+
+_INF = float("inf")
+
+
+def checked_key(key) -> RadixKey:
+    """``as_radix_key`` with every id checked: one C pass proves they are non-negative ints."""
+    rk = as_radix_key(key, validate=False)
+    ids = rk.token_ids
+    if ids:
+        try:
+            array("Q", ids)
+        except (TypeError, OverflowError, ValueError):
+            as_radix_key(RadixKey(ids))  # its own wording, when it sees the problem
+            bad = next((t for t in ids if type(t) is not int), None)
+            if bad is not None:
+                raise TypeError(f"token ids must be ints, got {type(bad).__name__} ({bad!r})") from None
+            raise ValueError(f"token ids must be non-negative and fit in 64 bits, got {min(ids)}") from None
+    return rk
+
+
+class SWATreeNode:
+    """A node of the SWA radix tree: ``key`` tokens whose KV lives at ``value`` (full slots)."""
+
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "value",
+        "extra_key",
+        "tombstone",
+        "full_lock_ref",
+        "swa_lock_ref",
+        "swa_uuid",
+        "id",
+        "prev",
+        "next",
+        "swa_prev",
+        "swa_next",
+        "last_access_time",
+        "hit_count",
+        "hashes",
+        "__weakref__",
+    )
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.children: dict = {}
+        self.parent: Optional[SWATreeNode] = None
+        self.key: list[int] = []
+        self.value: Optional[torch.Tensor] = None
+        self.extra_key: Optional[str] = None
+        self.tombstone = False
+        self.full_lock_ref = 0
+        self.swa_lock_ref = 0
+        self.swa_uuid: Optional[int] = None
+        self.id = next(SWATreeNode._ids)
+        self.prev = self.next = None
+        self.swa_prev = self.swa_next = None
+        self.last_access_time = 0
+        self.hit_count = 0
+        self.hashes: Optional[list[str]] = None
+
+    @property
+    def swa_tombstone(self) -> bool:  # SGLang's name
+        return self.tombstone
+
+    @property
+    def evicted(self) -> bool:
+        return self.value is None
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        ids = self.key if len(self.key) <= 6 else f"{self.key[:6]}...+{len(self.key) - 6}"
+        return (
+            f"SWATreeNode(id={self.id}, key={ids}, full_lock={self.full_lock_ref}, "
+            f"swa_lock={self.swa_lock_ref}, tombstone={self.tombstone})"
+        )
+
+
+class _LRU:
+    """An intrusive doubly linked list of nodes, most recently used at the head.
+
+    ``swa=True`` uses the window links and window lock; the window list never
+    holds a tombstone.
+    """
+
+    def __init__(self, swa: bool) -> None:
+        self.swa = swa
+        self.prv, self.nxt = ("swa_prev", "swa_next") if swa else ("prev", "next")
+        self.lock = "swa_lock_ref" if swa else "full_lock_ref"
+        self.head = SWATreeNode()
+        self.tail = SWATreeNode()
+        setattr(self.head, self.nxt, self.tail)
+        setattr(self.tail, self.prv, self.head)
+        self.count = 0
+
+    def __contains__(self, node: Optional[SWATreeNode]) -> bool:
+        return node is not None and getattr(node, self.prv) is not None
+
+    def _link_after(self, anchor: SWATreeNode, node: SWATreeNode) -> None:
+        prv, nxt = self.prv, self.nxt
+        after = getattr(anchor, nxt)
+        setattr(node, prv, anchor)
+        setattr(node, nxt, after)
+        setattr(after, prv, node)
+        setattr(anchor, nxt, node)
+
+    def _unlink(self, node: SWATreeNode) -> None:
+        prv, nxt = self.prv, self.nxt
+        p, n = getattr(node, prv), getattr(node, nxt)
+        setattr(p, nxt, n)
+        setattr(n, prv, p)
+        setattr(node, prv, None)
+        setattr(node, nxt, None)
+
+    def add_mru(self, node: SWATreeNode) -> None:
+        assert node not in self, f"{node} is already in the {'window' if self.swa else 'full'} LRU"
+        self._link_after(self.head, node)
+        self.count += 1
+
+    def remove(self, node: SWATreeNode) -> None:
+        assert node in self, f"{node} is not in the {'window' if self.swa else 'full'} LRU"
+        self._unlink(node)
+        self.count -= 1
+
+    def touch(self, node: SWATreeNode) -> None:
+        self._unlink(node)
+        self._link_after(self.head, node)
+
+    def touch_path(self, node: SWATreeNode, root: SWATreeNode) -> None:
+        """Make ``node`` and its ancestors most recent, each child more recent than its parent."""
+        anchor = self.head
+        swa = self.swa
+        while node is not root:
+            if not (swa and node.tombstone):
+                self._unlink(node)
+                self._link_after(anchor, node)
+                anchor = node
+            node = node.parent
+
+    def lru_unlocked(self, leaf_only: bool = False) -> Optional[SWATreeNode]:
+        return self.prev_unlocked(self.tail, leaf_only)
+
+    def prev_unlocked(self, node: SWATreeNode, leaf_only: bool = False) -> Optional[SWATreeNode]:
+        """The next more recently used node without a lock (and, if asked, without children)."""
+        prv, lock = self.prv, self.lock
+        x = getattr(node, prv)
+        while getattr(x, lock) > 0 or (leaf_only and x.children):
+            x = getattr(x, prv)
+        return None if x is self.head else x
+
+    def __iter__(self) -> Iterator[SWATreeNode]:
+        """From least to most recently used."""
+        x = getattr(self.tail, self.prv)
+        while x is not self.head:
+            yield x
+            x = getattr(x, self.prv)
+
+
+class SWARadixCache(BasePrefixCache):
+    """SGLang's SWARadixCache on a :class:`kvcore.pools.SWATokenToKVPoolAllocator`.
+
+    The class is its own factory: ``SWARadixCache(params)`` with a
+    :class:`kvcore.CacheInitParams` whose config carries ``sliding_window_size``.
+    """
+
+    #: ``insert`` frees the caller's copy of what the tree already holds (beyond
+    #: ``prev_prefix_len``), as SGLang's SWARadixCache does; RadixCache leaves that to the caller.
+    insert_frees_duplicates = True
+
+    def __init__(self, params: CacheInitParams, sliding_window_size: Optional[int] = None):
+        alloc = params.token_to_kv_pool_allocator
+        for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
+            if not hasattr(alloc, attr):
+                raise TypeError(
+                    f"SWARadixCache needs an SWATokenToKVPoolAllocator (full and window pools), "
+                    f"got {type(alloc).__name__} without {attr}()"
+                )
+        config = params.config
+        if sliding_window_size is None:
+            sliding_window_size = getattr(config, "sliding_window_size", None)
+        if sliding_window_size is None or sliding_window_size <= 0:
+            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {sliding_window_size}")
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = alloc
+        self.page_size = params.page_size
+        self.config = config
+        self.kv_pool = params.kv_pool
+        self.device = alloc.device
+        self.sliding_window_size = int(sliding_window_size)
+        self.disable = bool(getattr(config, "disable", False))
+        self.enable_kv_events = bool(getattr(config, "enable_kv_events", False))
+        self.eviction_policy = getattr(config, "eviction_policy", "lru")
+        self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._uuids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._events: list = []
+        self._build_empty()
+
+    # ------------------------------------------------------------------ state
+
+    def _build_empty(self) -> None:
+        root = SWATreeNode()
+        root.value = self._empty
+        root.full_lock_ref = 1
+        root.swa_lock_ref = 1
+        root.hashes = []
+        self.root_node = root
+        self.full_lru = _LRU(swa=False)
+        self.swa_lru = _LRU(swa=True)
+        self.full_evictable_size_ = 0
+        self.full_protected_size_ = 0
+        self.swa_evictable_size_ = 0
+        self.swa_protected_size_ = 0
+
+    def reset(self) -> None:
+        """Free every node's slots and start from an empty tree.
+
+        Locks held on the old tree die with it: call this only when no request runs.
+        """
+        alloc = self.token_to_kv_pool_allocator
+        live, dead = [], []
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            (dead if node.tombstone else live).append(node.value)
+            node.parent = None
+        if live:
+            alloc.free(torch.cat(live))
+        if dead:
+            alloc.free_full(torch.cat(dead))
+        self._build_empty()
+        if self.enable_kv_events:
+            from kvcore_radix.events import AllPagesCleared
+
+            self._events.append(AllPagesCleared())
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ traits
+
+    def supports_swa(self) -> bool:
+        return True
+
+    def is_chunk_cache(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ sizes
+
+    def full_evictable_size(self) -> int:
+        return self.full_evictable_size_
+
+    def swa_evictable_size(self) -> int:
+        return self.swa_evictable_size_
+
+    def full_protected_size(self) -> int:
+        return self.full_protected_size_
+
+    def swa_protected_size(self) -> int:
+        return self.swa_protected_size_
+
+    def evictable_size(self) -> int:
+        return self.full_evictable_size_
+
+    def protected_size(self) -> int:
+        return self.full_protected_size_
+
+    def total_size(self) -> int:
+        return self.full_evictable_size_ + self.full_protected_size_
+
+    def swa_total_size(self) -> int:
+        return self.swa_evictable_size_ + self.swa_protected_size_
+
+    # ------------------------------------------------------------------ keys
+
+    def _child_key(self, ids: list[int], pos: int, extra_key) -> Any:
+        if self.page_size == 1:
+            t = ids[pos]
+        else:
+            t = tuple(ids[pos : pos + self.page_size])
+        return t if extra_key is None else (extra_key, t)
+
+    def _match_len(self, node_key: list[int], ids: list[int], pos: int, end: int) -> int:
+        """Tokens (whole pages) of ``node_key`` equal to ``ids[pos:end]``; C-level slice compares."""
+        m = min(len(node_key), end - pos)
+        if ids[pos : pos + m] == (node_key if m == len(node_key) else node_key[:m]):
+            return m
+        ps = self.page_size
+        # The child key already matched the first page; bisect on whole pages:
+        # ``lo`` pages are known to match, ``hi`` pages are known not to.
+        lo, hi = 1, m // ps
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ids[pos : pos + mid * ps] == node_key[: mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo * ps
+
+    def _prepare_key(self, key) -> tuple[list[int], Any, int]:
+        rk = checked_key(key)
+        ids = rk.token_ids
+        return ids, rk.extra_key, floor_align(len(ids), self.page_size)
+
+    def _tick(self) -> int:
+        return next(self._clock)
+
+    # ------------------------------------------------------------------ match
+
+    def match_prefix(self, key) -> MatchResult:
+        """The longest cached prefix usable for sliding-window attention.
+
+        The result stops at the last point whose path either has no tombstone or
+        has at least ``sliding_window_size`` live tokens after its last tombstone.
+        """
+        ids, extra_key, n = self._prepare_key(key)
+        root = self.root_node
+        if self.disable or n == 0:
+            return MatchResult(self._empty, root, root, 0)
+        window = self.sliding_window_size
+        node = root
+        pos = 0
+        values: list[torch.Tensor] = []
+        since_tombstone = _INF  # a path with no tombstone is always valid
+        best_items = 0
+        best_node = root
+        best_len = 0
+        matched = 0
+        while pos < n:
+            child = node.children.get(self._child_key(ids, pos, extra_key))
+            if child is None:
+                break
+            if child.tombstone:
+                if since_tombstone >= window:
+                    best_items, best_node, best_len = len(values), node, matched
+                since_tombstone = 0
+            plen = self._match_len(child.key, ids, pos, n)
+            if plen < len(child.key):
+                child = self._split(child, plen)
+            values.append(child.value)
+            matched += plen
+            if not child.tombstone:
+                since_tombstone += plen
+            node = child
+            pos += plen
+        if since_tombstone >= window:
+            best_items, best_node, best_len = len(values), node, matched
+
+        if best_node is not root:
+            self.full_lru.touch_path(best_node, root)
+            self.swa_lru.touch_path(best_node, root)
+            t = self._tick()
+            x = best_node
+            while x is not root:
+                x.last_access_time = t
+                x.hit_count += 1
+                x = x.parent
+        if best_items == 0:
+            indices = self._empty
+        elif best_items == 1:
+            indices = values[0]
+        else:
+            indices = torch.cat(values[:best_items])
+        return MatchResult(
+            indices,
+            best_node,
+            best_node,
+            best_len,
+            {"matched_len": matched, "tombstone_limited": best_len < matched},
+        )
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self,
+        key,
+        value: Optional[torch.Tensor] = None,
+        prev_prefix_len: int = 0,
+        swa_evicted_seqlen: int = 0,
+    ) -> InsertResult:
+        """Cache ``value`` (full slots) under ``key``.
+
+        Positions ``[prev_prefix_len, len)`` of ``value`` are the caller's own slots:
+        those the tree already holds are freed here (the caller's copy), a tombstone
+        they cover is healed with the caller's live window slots, and the part below
+        ``swa_evicted_seqlen`` (window slots already gone) is stored as tombstone.
+        With ``value=None`` fresh slots are allocated for the key.
+        """
+        ids, extra_key, n = self._prepare_key(key)
+        ps = self.page_size
+        if not isinstance(prev_prefix_len, int) or isinstance(prev_prefix_len, bool) or prev_prefix_len < 0:
+            raise ValueError(f"prev_prefix_len must be a non-negative int, got {prev_prefix_len!r}")
+        if not isinstance(swa_evicted_seqlen, int) or isinstance(swa_evicted_seqlen, bool) or swa_evicted_seqlen < 0:
+            raise ValueError(f"swa_evicted_seqlen must be a non-negative int, got {swa_evicted_seqlen!r}")
+        if prev_prefix_len % ps or swa_evicted_seqlen % ps:
+            raise ValueError(
+                f"prev_prefix_len={prev_prefix_len} and swa_evicted_seqlen={swa_evicted_seqlen} "
+                f"must be multiples of page_size={ps}"
+            )
+        if prev_prefix_len > n:
+            raise ValueError(
+                f"prev_prefix_len={prev_prefix_len} is longer than the page-aligned key ({n} tokens)"
+            )
+        if value is None:
+            if self.disable or n == 0:
+                return InsertResult(0, self.root_node)
+            value = self.token_to_kv_pool_allocator.alloc(n)
+            if value is None:
+                raise RuntimeError(f"cannot allocate {n} slots for insert(value=None): the pools are full")
+            prev_prefix_len = 0
+            swa_evicted_seqlen = 0
+        else:
+            value = self._check_value(value, len(ids))
+        if self.disable:
+            return InsertResult(0, self.root_node)
+        if n == 0:
+            return InsertResult(0, self.root_node)
+        value = value[:n]
+        if swa_evicted_seqlen > prev_prefix_len:
+            # The caller says these window slots are gone; make sure they are.
+            self._release_window(value[prev_prefix_len : min(swa_evicted_seqlen, n)])
+        prefix_len, last = self._insert(ids, extra_key, n, value, prev_prefix_len, swa_evicted_seqlen)
+        return InsertResult(prefix_len, last)
+
+    def _check_value(self, value, key_len: int) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            try:
+                value = torch.as_tensor(list(value), dtype=torch.int64)
+            except (TypeError, ValueError):
+                raise TypeError(f"value must be a 1-D integer tensor of slots, got {type(value).__name__}") from None
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                f"value must be a 1-D integer tensor of slots, got shape {tuple(value.shape)} dtype {value.dtype}"
+            )
+        if value.numel() != key_len:
+            raise ValueError(f"value has {value.numel()} slots but the key has {key_len} tokens")
+        return value.to(device=self.device, dtype=torch.int64)
+
+    def _release_window(self, slots: torch.Tensor) -> None:
+        """Free whatever window side ``slots`` still map to (already-unmapped ones are skipped)."""
+        if slots.numel():
+            self.token_to_kv_pool_allocator.free_swa(slots)
+
+    def _insert(
+        self,
+        ids: list[int],
+        extra_key,
+        n: int,
+        value: torch.Tensor,
+        prev: int,
+        sev: int,
+    ) -> tuple[int, SWATreeNode]:
+        alloc = self.token_to_kv_pool_allocator
+        root = self.root_node
+        node = root
+        pos = 0
+        t = self._tick()
+        while pos < n:
+            child = node.children.get(self._child_key(ids, pos, extra_key))
+            if child is None:
+                break
+            plen = self._match_len(child.key, ids, pos, n)
+            if plen < len(child.key):
+                child = self._split(child, plen)
+            end = pos + plen
+            if prev < end:
+                if prev > pos:
+                    # Only [prev, end) is the caller's; split so that one node is wholly theirs.
+                    self._split(child, prev - pos)
+                    pos = prev
+                self._adopt_duplicate(child, value, pos, end, sev)
+            # Root-to-leaf order: a child is more recent than its parent, so window
+            # eviction tombstones nodes near the root first.
+            child.last_access_time = t
+            self.full_lru.touch(child)
+            if not child.tombstone:
+                self.swa_lru.touch(child)
+            node = child
+            pos = end
+        prefix_len = pos
+        if pos < n:
+            if sev >= n:
+                # Nothing of the new part has window slots left, and a leaf may not be
+                # a tombstone: the tree does not take it.
+                alloc.free_full(value[pos:n])
+                return prefix_len, node
+            if sev > pos:
+                node = self._add_node(node, ids[pos:sev], extra_key, value[pos:sev], tombstone=True)
+                pos = sev
+            node = self._add_node(node, ids[pos:n], extra_key, value[pos:n], tombstone=False)
+        return prefix_len, node
+
+    def _adopt_duplicate(self, node: SWATreeNode, value: torch.Tensor, pos: int, end: int, sev: int) -> None:
+        """``node`` holds ``[pos, end)``; the caller's copy ``value[pos:end]`` is redundant."""
+        alloc = self.token_to_kv_pool_allocator
+        incoming = value[pos:end]
+        if not node.tombstone:
+            free_kv_row_segments(alloc, [(incoming, pos)], swa_evicted_seqlen=sev)
+            return
+        if sev >= end:
+            # The caller's window slots are gone too: nothing to heal with.
+            alloc.free_full(incoming)
+            return
+        if sev > pos:
+            k = sev - pos
+            self._split(node, k)  # the upper part [pos, sev) stays a tombstone
+            alloc.free_full(incoming[:k])
+            incoming = incoming[k:]
+        self._heal(node, incoming)
+
+    def _heal(self, node: SWATreeNode, incoming: torch.Tensor) -> None:
+        """Give tombstone ``node`` the window slots of ``incoming`` (same tokens, live window)."""
+        assert node.tombstone and node.swa_lock_ref == 0, node
+        alloc = self.token_to_kv_pool_allocator
+        if node.full_lock_ref > 0:
+            # A running request reads node.value: keep those full slots and point them
+            # at the incoming window slots instead.
+            mapping = alloc.full_to_swa_index_mapping
+            mapping[node.value] = mapping[incoming]
+            mapping[incoming] = 0
+            alloc.free_full(incoming)
+        else:
+            alloc.free_full(node.value)
+            node.value = incoming.clone()
+        node.tombstone = False
+        self.swa_lru.add_mru(node)
+        self.swa_evictable_size_ += len(node.key)
+
+    def _add_node(
+        self, parent: SWATreeNode, key: list[int], extra_key, value: torch.Tensor, tombstone: bool
+    ) -> SWATreeNode:
+        node = SWATreeNode()
+        node.parent = parent
+        node.key = key
+        node.extra_key = extra_key
+        node.value = value.clone()
+        node.tombstone = tombstone
+        node.last_access_time = self._tick()
+        parent.children[self._child_key(key, 0, extra_key)] = node
+        self.full_lru.add_mru(node)
+        self.full_evictable_size_ += len(key)
+        if not tombstone:
+            self.swa_lru.add_mru(node)
+            self.swa_evictable_size_ += len(key)
+        if self.enable_kv_events:
+            self._record_store(node)
+        return node
+
+    def _split(self, child: SWATreeNode, k: int) -> SWATreeNode:
+        """Split ``child`` after ``k`` tokens; returns the new upper node, ``child`` keeps the rest."""
+        assert 0 < k < len(child.key) and k % self.page_size == 0, (k, child)
+        up = SWATreeNode()
+        parent = child.parent
+        up.parent = parent
+        up.key = child.key[:k]
+        up.extra_key = child.extra_key
+        up.value = child.value[:k].clone()
+        up.tombstone = child.tombstone
+        up.full_lock_ref = child.full_lock_ref
+        up.swa_lock_ref = child.swa_lock_ref
+        up.last_access_time = child.last_access_time
+        up.hit_count = child.hit_count
+        # A window lock that stopped at child stopped at its top: the upper part.
+        up.swa_uuid, child.swa_uuid = child.swa_uuid, None
+        ck = self._child_key(child.key, 0, child.extra_key)
+        child.key = child.key[k:]
+        child.value = child.value[k:].clone()
+        up.children = {self._child_key(child.key, 0, child.extra_key): child}
+        child.parent = up
+        parent.children[ck] = up
+        if child.hashes is not None:
+            pk = k // self.page_size
+            up.hashes, child.hashes = child.hashes[:pk], child.hashes[pk:]
+        # Keep the upper part older than the child in both orders.
+        self.full_lru.remove(child)
+        self.full_lru.add_mru(up)
+        self.full_lru.add_mru(child)
+        if not child.tombstone:
+            self.swa_lru.remove(child)
+            self.swa_lru.add_mru(up)
+            self.swa_lru.add_mru(child)
+        return up
+
+    # ------------------------------------------------------------------ locks
+
+    def _path(self, node: SWATreeNode, what: str) -> list[SWATreeNode]:
+        if not isinstance(node, SWATreeNode):
+            raise TypeError(f"{what}: expected a node of this cache, got {type(node).__name__}")
+        path = []
+        root = self.root_node
+        x = node
+        while x is not root:
+            if x is None:
+                raise ValueError(f"{what}: {node} is not in this cache's tree (evicted or from another cache)")
+            path.append(x)
+            x = x.parent
+        return path
+
+    def _window_stop(self, path: list[SWATreeNode]) -> int:
+        """How many nodes of ``path`` (leaf first) a window lock taken now covers."""
+        window = self.sliding_window_size
+        size = 0
+        for i, x in enumerate(path):
+            if x.tombstone:
+                return i
+            size += len(x.key)
+            if size >= window:
+                return i + 1
+        return len(path)
+
+    def inc_lock_ref(self, node: Any) -> LockResult:
+        """Lock ``node``'s path: full side to the root, window side for the last W tokens."""
+        if node is None or node is self.root_node or self.disable:
+            return LockResult(0, None, {"swa_delta": 0, "swa_tokens": 0})
+        path = self._path(node, "inc_lock_ref")
+        k = self._window_stop(path)
+        full_delta = 0
+        for x in path:
+            if x.full_lock_ref == 0:
+                n = len(x.key)
+                self.full_evictable_size_ -= n
+                self.full_protected_size_ += n
+                full_delta += n
+            x.full_lock_ref += 1
+        swa_delta = swa_tokens = 0
+        for x in path[:k]:
+            n = len(x.key)
+            if x.swa_lock_ref == 0:
+                self.swa_evictable_size_ -= n
+                self.swa_protected_size_ += n
+                swa_delta += n
+            x.swa_lock_ref += 1
+            swa_tokens += n
+        stop = None
+        if 0 < k < len(path):
+            top = path[k - 1]
+            if top.swa_uuid is None:
+                top.swa_uuid = next(self._uuids)
+            stop = top.swa_uuid
+        return LockResult(full_delta, stop, {"swa_delta": swa_delta, "swa_tokens": swa_tokens})
+
+    def _swa_locked_nodes(self, path: list[SWATreeNode], lock: Optional[LockResult], what: str) -> list[SWATreeNode]:
+        """The nodes of ``path`` that ``lock``'s window lock covers (leaf first)."""
+        if lock is None:
+            # No record: assume the lock a fresh inc_lock_ref would take here.
+            k = self._window_stop(path)
+            return path[:k]
+        extras = lock.extras or {}
+        if extras.get("swa_released") or extras.get("swa_tokens", 1) == 0:
+            return []
+        stop = lock.swa_stop
+        if stop is None:
+            return path
+        for i, x in enumerate(path):
+            if x.swa_uuid == stop:
+                return path[: i + 1]
+        raise ValueError(f"{what}: the window lock's stop marker {stop!r} is not on {path[0]}'s path")
+
+    def dec_lock_ref(self, node: Any, lock: Optional[LockResult] = None) -> LockResult:
+        """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
+        if node is None or node is self.root_node or self.disable:
+            return LockResult(0, None, {"swa_delta": 0})
+        path = self._path(node, "dec_lock_ref")
+        if lock is not None and (lock.extras or {}).get("released"):
+            raise ValueError(f"dec_lock_ref: this lock on {node} was already given back")
+        for x in path:
+            if x.full_lock_ref <= 0:
+                raise ValueError(f"dec_lock_ref on {x}, which is not locked")
+        swa_nodes = self._swa_locked_nodes(path, lock, "dec_lock_ref")
+        for x in swa_nodes:
+            if x.tombstone or x.swa_lock_ref <= 0:
+                raise ValueError(f"dec_lock_ref: {x} holds no window lock to give back")
+        full_delta = 0
+        for x in path:
+            if x.full_lock_ref == 1:
+                n = len(x.key)
+                self.full_evictable_size_ += n
+                self.full_protected_size_ -= n
+                full_delta -= n
+            x.full_lock_ref -= 1
+        swa_delta = self._dec_swa(swa_nodes, tombstone_leaves=False)
+        if lock is not None:
+            if lock.extras is None:
+                lock.extras = {}
+            lock.extras["released"] = True
+        if node.tombstone and not node.children and node.full_lock_ref == 0:
+            # A leaf whose window went early (dec_swa_lock_only) is useless once unlocked.
+            self._delete_tombstone_chain(node)
+        return LockResult(full_delta, None, {"swa_delta": swa_delta})
+
+    def _dec_swa(self, nodes: list[SWATreeNode], tombstone_leaves: bool) -> int:
+        delta = 0
+        for x in nodes:
+            if x.swa_lock_ref == 1:
+                n = len(x.key)
+                self.swa_protected_size_ -= n
+                delta -= n
+                if tombstone_leaves and not x.children:
+                    # A leaf still fully locked cannot go to the window LRU (window eviction
+                    # would delete it): free its window side now and make it a tombstone.
+                    self.token_to_kv_pool_allocator.free_swa(x.value)
+                    self.swa_lru.remove(x)
+                    x.tombstone = True
+                else:
+                    self.swa_evictable_size_ += n
+            x.swa_lock_ref -= 1
+        return delta
+
+    def dec_swa_lock_only(self, node: Any, lock: Optional[LockResult] = None) -> LockResult:
+        """Release only the window part of ``lock`` (the full lock stays).
+
+        For a request whose decode moved past the window: its prefix's window slots
+        become evictable; a leaf loses its window slots at once (it becomes a
+        tombstone until the full lock goes).  ``dec_lock_ref(node, lock)`` later
+        gives back only the full side.
+        """
+        if node is None or node is self.root_node or self.disable:
+            return LockResult(0, None, {"swa_delta": 0})
+        path = self._path(node, "dec_swa_lock_only")
+        if lock is not None and (lock.extras or {}).get("released"):
+            raise ValueError(f"dec_swa_lock_only: this lock on {node} was already given back")
+        if lock is not None and (lock.extras or {}).get("swa_released"):
+            raise ValueError(f"dec_swa_lock_only: the window lock on {node} was already released")
+        swa_nodes = self._swa_locked_nodes(path, lock, "dec_swa_lock_only")
+        for x in swa_nodes:
+            if x.tombstone or x.swa_lock_ref <= 0 or x.full_lock_ref <= 0:
+                raise ValueError(f"dec_swa_lock_only: {x} holds no window lock to give back")
+        delta = self._dec_swa(swa_nodes, tombstone_leaves=True)
+        if lock is not None:
+            if lock.extras is None:
+                lock.extras = {}
+            lock.extras["swa_released"] = True
+        return LockResult(0, None, {"swa_delta": delta})
+
+    # ------------------------------------------------------------------ evict
+
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
+        """Free at least ``num_tokens`` full slots and ``swa_num_tokens`` window slots, if it can."""
+        for name, v in (("num_tokens", num_tokens), ("swa_num_tokens", swa_num_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if self.disable:
+            return EvictResult(0, 0)
+        alloc = self.token_to_kv_pool_allocator
+        root = self.root_node
+        full_evicted = swa_evicted = 0
+
+        if num_tokens > 0:
+            x = self.full_lru.lru_unlocked(leaf_only=True)
+            while full_evicted < num_tokens and x is not None:
+                nxt = self.full_lru.prev_unlocked(x, leaf_only=True)
+                parent = x.parent
+                n = len(x.key)
+                full_evicted += n
+                if not x.tombstone:
+                    swa_evicted += n
+                self._delete_leaf(x, free=True)
+                top, freed = self._prune_tombstones(parent)
+                full_evicted += freed
+                if top is not root and not top.children:
+                    # An ancestor became a leaf and may be older than nxt.
+                    nxt = self.full_lru.lru_unlocked(leaf_only=True)
+                x = nxt
+
+        if swa_evicted < swa_num_tokens:
+            x = self.swa_lru.lru_unlocked()
+            while swa_evicted < swa_num_tokens and x is not None:
+                nxt = self.swa_lru.prev_unlocked(x)
+                n = len(x.key)
+                if x.children or x.full_lock_ref > 0:
+                    alloc.free_swa(x.value)
+                    self.swa_lru.remove(x)
+                    x.tombstone = True
+                    self.swa_evictable_size_ -= n
+                    swa_evicted += n
+                else:
+                    parent = x.parent
+                    full_evicted += n
+                    swa_evicted += n
+                    self._delete_leaf(x, free=True)
+                    _, freed = self._prune_tombstones(parent)
+                    full_evicted += freed
+                x = nxt
+        return EvictResult(full_evicted, swa_evicted)
+
+    def _delete_leaf(self, x: SWATreeNode, free: bool) -> None:
+        """Remove unlocked leaf ``x`` (both LRUs, its parent, the size counters), freeing its slots."""
+        assert not x.children and x.full_lock_ref == 0, x
+        n = len(x.key)
+        if free:
+            if x.tombstone:
+                self.token_to_kv_pool_allocator.free_full(x.value)
+            else:
+                self.token_to_kv_pool_allocator.free(x.value)
+        self.full_lru.remove(x)
+        self.full_evictable_size_ -= n
+        if not x.tombstone:
+            self.swa_lru.remove(x)
+            self.swa_evictable_size_ -= n
+        parent = x.parent
+        del parent.children[self._child_key(x.key, 0, x.extra_key)]
+        x.parent = None
+        if self.enable_kv_events:
+            self._record_remove(x)
+
+    def _prune_tombstones(self, node: SWATreeNode) -> tuple[SWATreeNode, int]:
+        """Delete unlocked tombstone leaves from ``node`` upward; returns (first kept node, tokens freed)."""
+        root = self.root_node
+        freed = 0
+        while node is not root and node.tombstone and not node.children and node.full_lock_ref == 0:
+            parent = node.parent
+            freed += len(node.key)
+            self._delete_leaf(node, free=True)
+            node = parent
+        return node, freed
+
+    def _delete_tombstone_chain(self, node: SWATreeNode) -> int:
+        return self._prune_tombstones(node)[1]
+
+    # ------------------------------------------------------------------ requests
+
+    def _row(self, kv: ReqKvInfo) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+
+    def _settle_window(self, kv: ReqKvInfo, upto: int) -> None:
+        """Make ``[cache_protected_len, min(swa_evicted_seqlen, upto))`` hold no window slots.
+
+        The record says they are gone.  The cursor only ever frees what it passes,
+        except where it jumps to ``swa_dead_lo`` over ``[cache_protected_len,
+        swa_evict_floor)``: window slots there may still be mapped.
+        """
+        lo = kv.cache_protected_len
+        hi = min(kv.swa_evicted_seqlen, upto, kv.swa_dead_lo(self.page_size))
+        if hi > lo:
+            self._release_window(self._row(kv)[lo:hi].to(torch.int64))
+
+    def _release_req_lock(self, req: Req) -> None:
+        node = req.last_node
+        if isinstance(node, SWATreeNode) and node is not self.root_node:
+            lock = req.lock if isinstance(req.lock, LockResult) else None
+            if lock is not None and (lock.extras or {}).get("released"):
+                return
+            self.dec_lock_ref(node, lock)
+
+    def _req_key_ids(self, req: Req, n: int) -> list[int]:
+        ids = req.fill_ids
+        if len(ids) < n:
+            raise ValueError(f"request {req.rid!r} has {len(ids)} tokens but kv_committed_len={n}")
+        return ids[:n]
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """Insert what ``req`` committed (the window-evicted part as tombstone) and drop its lock."""
+        kv = req.kv
+        committed = kv.kv_committed_len
+        protected = kv.cache_protected_len
+        if self.disable:
+            self.free_kv_row(kv, [(protected, committed)])
+            self._release_req_lock(req)
+            req.last_node = None
+            req.lock = None
+            return
+        self._settle_window(kv, committed)
+        aligned = floor_align(committed, self.page_size)
+        if is_insert and aligned > protected:
+            ids = self._req_key_ids(req, aligned)
+            values = self._row(kv)[:aligned].to(torch.int64)
+            self._insert(ids, req.extra_key, aligned, values, protected, kv.swa_evicted_seqlen)
+        else:
+            self.free_kv_row(kv, [(protected, aligned)])
+        # The unaligned tail (a partial page) never enters the tree.
+        self.free_kv_row(kv, [(max(aligned, protected), committed)])
+        self._release_req_lock(req)
+        req.last_node = None
+        req.lock = None
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Insert ``fill_ids[:kv_committed_len]`` of a running request and move its lock there."""
+        kv = req.kv
+        committed = kv.kv_committed_len
+        row = self._row(kv)
+        if self.disable:
+            req.prefix_indices = row[:committed].to(torch.int64, copy=True)
+            return
+        self._settle_window(kv, committed)
+        protected = kv.cache_protected_len
+        sev = kv.swa_evicted_seqlen
+        aligned = floor_align(committed, self.page_size)
+        if aligned <= protected or sev >= aligned:
+            # Nothing new, or nothing the tree could keep as a live leaf.
+            req.prefix_indices = row[:committed].to(torch.int64, copy=True)
+            return
+        ids = self._req_key_ids(req, aligned)
+        values = row[:aligned].to(torch.int64)
+        _, last = self._insert(ids, req.extra_key, aligned, values, protected, sev)
+        tree_values = self._path_values(last)
+        assert tree_values.numel() == aligned, (tree_values.numel(), aligned)
+        row[protected:aligned] = tree_values[protected:].to(row.dtype)
+        kv.cache_protected_len = aligned
+        new_lock = self.inc_lock_ref(last)
+        self._release_req_lock(req)
+        req.lock = new_lock
+        req.last_node = last
+        if aligned < committed:
+            req.prefix_indices = torch.cat([tree_values, row[aligned:committed].to(torch.int64)])
+        else:
+            req.prefix_indices = tree_values
+
+    def _path_values(self, node: SWATreeNode) -> torch.Tensor:
+        parts = []
+        root = self.root_node
+        while node is not root:
+            parts.append(node.value)
+            node = node.parent
+        if not parts:
+            return self._empty
+        parts.reverse()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # ------------------------------------------------------------------ introspection
+
+    def _nodes(self) -> Iterator[SWATreeNode]:
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def iter_owned_slots(self) -> Iterator[SlotOwner]:
+        translate = self.token_to_kv_pool_allocator.translate_loc_from_full_to_swa
+        for node in self._nodes():
+            owner = f"tree node {node.id} ({len(node.key)} tokens{', tombstone' if node.tombstone else ''})"
+            yield SlotOwner("full", owner, node.value)
+            if not node.tombstone:
+                yield SlotOwner("swa", owner, translate(node.value))
+
+    def sanity_check(self) -> None:
+        """Recount every size and check the tree's structural invariants (debug/tests)."""
+        fe = fp = se = sp = 0
+        full_in = swa_in = 0
+        root = self.root_node
+        for x in self._nodes():
+            n = len(x.key)
+            assert n > 0 and n % self.page_size == 0 and x.value.numel() == n, x
+            assert x.parent is not None and x.parent.children.get(self._child_key(x.key, 0, x.extra_key)) is x, x
+            assert x.full_lock_ref >= x.swa_lock_ref >= 0, x
+            assert x in self.full_lru, x
+            full_in += 1
+            if x.full_lock_ref:
+                fp += n
+            else:
+                fe += n
+            if x.tombstone:
+                assert x.swa_lock_ref == 0 and x not in self.swa_lru, x
+                assert x.children or x.full_lock_ref > 0, f"unlocked tombstone leaf {x}"
+            else:
+                assert x in self.swa_lru, x
+                swa_in += 1
+                if x.swa_lock_ref:
+                    sp += n
+                else:
+                    se += n
+        assert (fe, fp, se, sp) == (
+            self.full_evictable_size_,
+            self.full_protected_size_,
+            self.swa_evictable_size_,
+            self.swa_protected_size_,
+        ), ((fe, fp, se, sp), self.cached_sizes())
+        assert full_in == self.full_lru.count == sum(1 for _ in self.full_lru), (full_in, self.full_lru.count)
+        assert swa_in == self.swa_lru.count == sum(1 for _ in self.swa_lru), (swa_in, self.swa_lru.count)
+        assert root not in self.full_lru and root not in self.swa_lru
+
+    def pretty_print(self) -> str:
+        lines = []
+
+        def walk(node: SWATreeNode, depth: int) -> None:
+            for child in node.children.values():
+                lines.append("  " * depth + repr(child))
+                walk(child, depth + 1)
+
+        walk(self.root_node, 0)
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+    # ------------------------------------------------------------------ events
+
+    def _record_store(self, node: SWATreeNode) -> None:
+        from kvcore_radix.events import PageStored, chain_page_hashes
+
+        parent = node.parent
+        parent_hash = parent.hashes[-1] if parent is not None and parent.hashes else None
+        ps = self.page_size
+        node.hashes = chain_page_hashes(node.key, ps, parent_hash, node.extra_key)
+        prev = parent_hash
+        for i, h in enumerate(node.hashes):
+            self._events.append(PageStored(h, prev, tuple(node.key[i * ps : (i + 1) * ps]), node.extra_key))
+            prev = h
+
+    def _record_remove(self, node: SWATreeNode) -> None:
+        from kvcore_radix.events import PageRemoved
+
+        for h in node.hashes or ():
+            self._events.append(PageRemoved(h))

@@ -1,0 +1,321 @@
+"""Unit tests of the swa plugin: registration, options, errors, locks, events, reset."""
+
+import time
+
+import pytest
+import torch
+
+import kvcore
+from kvcore import CacheInitParams, InvariantChecker, RadixKey, Req, create_cache
+from kvcore.testing.swa import SWAEngine
+from kvcore_swa import SWAChunkCache, SWAConfig, SWARadixCache
+
+
+def make(name="swa", **kw):
+    opts = dict(size=1024, swa_size=256, sliding_window_size=8, page_size=1, max_num_reqs=8, max_context_len=512)
+    opts.update(kw)
+    return create_cache(name, **opts)
+
+
+def check(cache, owners=()):
+    InvariantChecker(cache).check(owners=list(owners))
+    if hasattr(cache, "sanity_check"):
+        cache.sanity_check()
+
+
+# ---------------------------------------------------------------- registration and options
+
+
+def test_backends_are_registered_by_the_swa_distribution():
+    backends = kvcore.available_backends()
+    for name, cls in (("swa", SWARadixCache), ("swa-chunk", SWAChunkCache)):
+        spec = backends[name]
+        assert spec.factory is cls and spec.distribution == "kvcore-swa" and spec.description
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-chunk"])
+def test_built_cache_exposes_window_and_pools(name):
+    cache = make(name, page_size=4, size=512, swa_size=64, sliding_window_size=10)
+    assert cache.sliding_window_size == 10 and cache.supports_swa()
+    a = cache.token_to_kv_pool_allocator
+    assert a.size_full == 512 and a.size_swa == 64 and cache.page_size == 4
+    assert cache.is_chunk_cache() == (name == "swa-chunk")
+    check(cache)
+
+
+def test_swa_size_defaults_to_size():
+    cache = create_cache("swa", size=256, sliding_window_size=16)
+    assert cache.token_to_kv_pool_allocator.size_swa == 256
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-chunk"])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        (dict(sliding_window_size=0), "sliding_window_size must be a positive"),
+        (dict(sliding_window_size=-4), "sliding_window_size must be a positive"),
+        (dict(sliding_window_size=64, swa_size=64), "cannot hold one request's window"),
+        (dict(page_size=16, sliding_window_size=32, swa_size=50, size=512, max_context_len=512), "not a multiple of page_size"),
+        (dict(page_size=16, size=500), "not a multiple of page_size"),
+        (dict(bogus=1), "unknown option 'bogus'"),
+    ],
+)
+def test_bad_options_are_rejected_with_clear_messages(name, opts, match):
+    with pytest.raises(kvcore.ConfigError, match=match) as info:
+        make(name, **opts)
+    assert repr(name) in str(info.value)
+
+
+def test_only_lru_eviction_policy():
+    with pytest.raises(kvcore.ConfigError, match="only 'lru'"):
+        make(eviction_policy="lfu")
+    assert make(eviction_policy="lru").eviction_policy == "lru"
+
+
+def test_swa_backends_need_an_swa_allocator():
+    cfg = kvcore.CacheConfig(size=64)
+    params = CacheInitParams.from_config(cfg)
+    with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
+        SWARadixCache(params)
+    with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
+        SWAChunkCache(params)
+
+
+def test_config_builds_the_hybrid_allocator():
+    cfg = SWAConfig(size=128, swa_size=32, sliding_window_size=4, page_size=2, max_context_len=64)
+    alloc = cfg.build_allocator()
+    assert isinstance(alloc, kvcore.SWATokenToKVPoolAllocator)
+    assert (alloc.size_full, alloc.size_swa, alloc.page_size) == (128, 32, 2)
+
+
+# ---------------------------------------------------------------- keys and errors
+
+
+def test_bad_keys_raise_and_change_nothing():
+    cache = make()
+    eng = SWAEngine(cache)
+    eng.finish(eng.run(list(range(20)), rid="x"))
+    sizes = cache.cached_sizes()
+    for key, exc in (([1.5, 2], TypeError), ([-1, 3], ValueError), ("abc", TypeError), (torch.zeros(2, 2), TypeError)):
+        with pytest.raises(exc):
+            cache.match_prefix(key)
+        with pytest.raises(exc):
+            cache.insert(key, torch.arange(1, 3))
+    assert cache.cached_sizes() == sizes
+    check(cache)
+
+
+def test_keys_are_page_aligned():
+    cache = make(page_size=4, sliding_window_size=4, size=256, swa_size=64)
+    a = cache.token_to_kv_pool_allocator
+    slots = a.alloc(12)
+    res = cache.insert(list(range(11)), slots[:11])
+    assert res.prefix_len == 0 and cache.total_size() == 8
+    a.free(slots[8:])  # the unaligned tail was not taken
+    assert cache.match_prefix(list(range(11))).prefix_len == 8
+    assert cache.match_prefix(list(range(3))).prefix_len == 0
+    assert cache.match_prefix(torch.arange(9)).prefix_len == 8
+    check(cache)
+
+
+def test_insert_without_value_allocates_slots():
+    cache = make()
+    res = cache.insert(list(range(10)))
+    assert res.prefix_len == 0 and cache.total_size() == 10 and cache.swa_total_size() == 10
+    assert cache.insert(list(range(12))).prefix_len == 10  # duplicate part freed again
+    assert cache.total_size() == 12
+    check(cache)
+
+
+def test_lock_errors_leave_the_tree_unchanged():
+    cache = make()
+    other = make()
+    eng = SWAEngine(cache)
+    eng.finish(eng.run(list(range(20)), rid="x"))
+    node = cache.match_prefix(list(range(20))).last_device_node
+    sizes = cache.cached_sizes()
+    with pytest.raises(ValueError, match="not locked"):
+        cache.dec_lock_ref(node)
+    with pytest.raises(ValueError, match="not in this cache"):
+        other.inc_lock_ref(node)
+    with pytest.raises(TypeError):
+        cache.inc_lock_ref("node")
+    lock = cache.inc_lock_ref(node)
+    with pytest.raises(ValueError):
+        cache.dec_swa_lock_only(node, kvcore.LockResult(0, swa_stop=-5, extras={"swa_tokens": 1}))
+    cache.dec_lock_ref(node, lock)
+    with pytest.raises(ValueError, match="already given back"):
+        cache.dec_lock_ref(node, lock)
+    assert cache.cached_sizes() == sizes
+    cache.evict(100, 100)
+    with pytest.raises(ValueError, match="not in this cache"):
+        cache.inc_lock_ref(node)  # evicted
+    check(cache)
+
+
+def test_lock_without_lock_result_uses_the_window_rule():
+    cache = make(sliding_window_size=4)
+    eng = SWAEngine(cache)
+    key = list(range(12))
+    eng.finish(eng.run(key, rid="a"))
+    eng.finish(eng.run(key[:4] + [99], rid="b"))
+    eng.finish(eng.run(key[:8] + [99], rid="c"))
+    node = cache.match_prefix(key).last_device_node
+    lock = cache.inc_lock_ref(node)
+    assert cache.swa_protected_size() == 4 and cache.full_protected_size() == 12
+    assert lock.swa_stop is not None and lock.delta == 12
+    res = cache.dec_lock_ref(node)
+    assert res.delta == -12 and res.extras["swa_delta"] == -4
+    assert cache.swa_protected_size() == 0 and cache.full_protected_size() == 0
+    check(cache)
+
+
+def test_root_and_none_locks_are_no_ops():
+    cache = make()
+    for node in (None, cache.root_node):
+        assert cache.inc_lock_ref(node).delta == 0
+        assert cache.dec_lock_ref(node).delta == 0
+    check(cache)
+
+
+# ---------------------------------------------------------------- tree behaviour details
+
+
+def test_early_window_unlock_of_a_leaf_frees_its_window_at_once():
+    cache = make(sliding_window_size=4)
+    eng = SWAEngine(cache)
+    eng.finish(eng.run(list(range(8)), rid="a"))
+    node = cache.match_prefix(list(range(8))).last_device_node
+    lock = cache.inc_lock_ref(node)
+    swa_free = cache.token_to_kv_pool_allocator.swa_available_size()
+    cache.dec_swa_lock_only(node, lock)
+    assert cache.token_to_kv_pool_allocator.swa_available_size() == swa_free + 8
+    assert node.tombstone and cache.swa_total_size() == 0
+    check(cache)
+    # Dropping the full lock deletes the (now useless) tombstone leaf.
+    cache.dec_lock_ref(node, lock)
+    assert cache.total_size() == 0
+    check(cache)
+
+
+def test_unfinished_req_moves_its_lock_and_protects_the_prefix():
+    cache = make(sliding_window_size=4)
+    eng = SWAEngine(cache)
+    req = eng.admit(Req("r", list(range(30))))
+    eng.prefill(req, chunk=8)
+    assert req.kv.cache_protected_len == 24
+    assert cache.full_protected_size() == 24 and cache.swa_protected_size() == 8
+    # prefix_indices were set by the last cache_unfinished_req (after 24 tokens).
+    assert torch.equal(req.prefix_indices, cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :24].long())
+    eng.check()
+    eng.finish(req)
+    assert cache.full_protected_size() == 0 and cache.total_size() == 30
+    eng.check()
+
+
+def test_kv_events_follow_stores_and_removals():
+    cache = make(enable_kv_events=True, page_size=4, sliding_window_size=4, size=256, swa_size=64)
+    eng = SWAEngine(cache)
+    eng.finish(eng.run(list(range(16)), rid="a"))
+    events = cache.take_events()
+    assert [e.kind for e in events] == ["stored"] * 4
+    assert events[0].parent_hash is None and events[1].parent_hash == events[0].page_hash
+    cache.evict(100)
+    assert [e.kind for e in cache.take_events()] == ["removed"] * 4
+    cache.reset()
+    assert [e.kind for e in cache.take_events()] == ["cleared"]
+    check(cache)
+
+
+def test_reset_frees_everything_including_tombstones():
+    cache = make(sliding_window_size=4)
+    eng = SWAEngine(cache)
+    key = list(range(16))
+    eng.finish(eng.run(key, rid="a"))
+    eng.finish(eng.run(key[:8] + [77] * 4, rid="b"))
+    node_a = cache.match_prefix(key).last_device_node
+    node_b = cache.match_prefix(key[:8] + [77] * 4).last_device_node
+    la, lb = cache.inc_lock_ref(node_a), cache.inc_lock_ref(node_b)
+    cache.evict(0, 8)  # tombstones the shared [0, 8)
+    cache.dec_lock_ref(node_a, la)
+    cache.dec_lock_ref(node_b, lb)
+    assert cache.total_size() == 20 and cache.swa_total_size() == 12
+    cache.reset()
+    a = cache.token_to_kv_pool_allocator
+    assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+    check(cache)
+
+
+def test_disabled_cache_matches_and_keeps_nothing():
+    cache = make(disable=True)
+    eng = SWAEngine(cache)
+    r = eng.run(list(range(20)), list(range(30)), rid="a")
+    eng.finish(r)
+    assert cache.total_size() == 0 and cache.match_prefix(list(range(20))).prefix_len == 0
+    assert cache.insert(list(range(5)), torch.arange(1, 6)).prefix_len == 0
+    eng.check()
+
+
+def test_chunk_cache_frees_on_finish_split_at_the_cursor():
+    cache = make("swa-chunk", sliding_window_size=4)
+    eng = SWAEngine(cache)
+    r = eng.run(list(range(10)), list(range(20)), rid="a")
+    assert r.kv.swa_evicted_seqlen == r.seqlen - 4
+    a = cache.token_to_kv_pool_allocator
+    assert a.size_swa - a.swa_available_size() == 4
+    eng.check()
+    eng.finish(r)
+    assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+    assert cache.match_prefix(r.fill_ids).prefix_len == 0
+    eng.check()
+
+
+def test_window_lock_stops_at_a_tombstone():
+    """A lock taken on a node right below a tombstone covers only what is live."""
+    cache = make(sliding_window_size=8)
+    a = cache.token_to_kv_pool_allocator
+    slots = a.alloc(12)
+    a.free_swa(slots[:8])
+    node = cache.insert(list(range(12)), slots, swa_evicted_seqlen=8).last_device_node  # [0,8) tombstone
+    assert cache.match_prefix(list(range(12))).prefix_len == 0  # only 4 live < W
+    lock = cache.inc_lock_ref(node)
+    assert cache.swa_protected_size() == 4 and cache.full_protected_size() == 12
+    cache.dec_lock_ref(node, lock)
+    check(cache)
+
+
+def test_match_and_insert_are_fast_on_long_keys():
+    cache = make(size=1 << 16, swa_size=1 << 15, max_context_len=1 << 15, sliding_window_size=128)
+    a = cache.token_to_kv_pool_allocator
+    key = list(range(20000))
+    cache.insert(key, a.alloc(20000))
+    for i in range(1, 50):  # 49 branches off one long prefix
+        k = key[: 400 * i] + [10**6 + i] * 4
+        cache.insert(k, torch.cat([cache.match_prefix(k).device_indices, a.alloc(4)]), prev_prefix_len=400 * i)
+    t = time.perf_counter()
+    for _ in range(200):
+        m = cache.match_prefix(key)
+    elapsed = time.perf_counter() - t
+    assert m.prefix_len == 20000
+    assert elapsed < 0.5, f"200 matches of a 20k-token key took {elapsed:.3f}s"
+    check(cache)
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-chunk"])
+def test_finish_returns_window_slots_under_an_evict_floor(name):
+    """Prefill-aware SWA: the cursor jumps over [protected, swa_evict_floor) without freeing
+    those window slots; finishing gives them back (nothing leaks in either pool)."""
+    cache = make(name, sliding_window_size=4, size=1024, swa_size=256)
+    eng = SWAEngine(cache)
+    r = eng.admit(Req("f", list(range(20))))
+    r.kv.swa_evict_floor = 20
+    eng.prefill(r)
+    for t in range(30):
+        eng.decode(r, t)
+    assert r.kv.swa_evicted_seqlen == 46
+    eng.finish(r)
+    eng.check()
+    cache.evict(10**6, 10**6)
+    a = cache.token_to_kv_pool_allocator
+    assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+    eng.check()
