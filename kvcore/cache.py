@@ -72,11 +72,15 @@ class SlotOwner(NamedTuple):
     slots: torch.Tensor
 
 
-def free_kv_row_segments(allocator, segments: list[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int) -> None:
+def free_kv_row_segments(
+    allocator, segments: list[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int, swa_dead_lo: int = 0
+) -> None:
     """Free ascending ``(slots, start_pos)`` pieces of one row, split at the SWA cursor.
 
-    Below ``swa_evicted_seqlen`` the window slots are already gone, so only the full
-    side is freed there; above it both sides go back.
+    Window slots in ``[swa_dead_lo, swa_evicted_seqlen)`` were freed while decoding,
+    so only the full side goes back there; elsewhere both sides do.  Positions below
+    ``swa_dead_lo`` (a prefill prefix the floor kept out of window eviction) still
+    hold their window slots.
     """
     dead: list[torch.Tensor] = []
     alive: list[torch.Tensor] = []
@@ -84,19 +88,23 @@ def free_kv_row_segments(allocator, segments: list[tuple[torch.Tensor, int]], *,
         n = slots.numel()
         if n == 0:
             continue
-        num_dead = min(max(swa_evicted_seqlen - start, 0), n)
-        if num_dead:
-            dead.append(slots[:num_dead])
-        if num_dead < n:
-            alive.append(slots[num_dead:])
-    free_full = getattr(allocator, "free_full", None)
+        lo = min(max(swa_dead_lo - start, 0), n)
+        hi = min(max(swa_evicted_seqlen - start, lo), n)
+        if lo:
+            alive.append(slots[:lo])
+        if hi > lo:
+            dead.append(slots[lo:hi])
+        if hi < n:
+            alive.append(slots[hi:])
     if dead:
+        free_full = getattr(allocator, "free_full", None)
         if free_full is None:
             raise ValueError(
                 f"row positions below swa_evicted_seqlen={swa_evicted_seqlen} were window-evicted, "
                 f"but {type(allocator).__name__} has no window pool"
             )
         if alive and swa_evicted_seqlen % allocator.page_size:
+            # A page shared by the dead and alive sides would go back twice.
             raise ValueError(f"SWA cursor {swa_evicted_seqlen} splits a page (page_size {allocator.page_size})")
         free_full(dead[0] if len(dead) == 1 else torch.cat(dead))
     if alive:
@@ -115,6 +123,9 @@ class BasePrefixCache(ABC):
     req_to_token_pool: Any
     token_to_kv_pool_allocator: Any
     page_size: int
+    # True where insert() frees the caller's duplicate slots itself (SGLang's SWA tree);
+    # otherwise the caller frees value[:prefix_len] after an insert.
+    insert_frees_duplicates: bool = False
     # Set by create_cache: this cache's own plugin manager and its hook relay.
     plugin_manager: Any = None
     hook: Any = None
@@ -206,4 +217,5 @@ class BasePrefixCache(ABC):
             self.token_to_kv_pool_allocator,
             [(row[s:e].to(torch.int64), s) for s, e in ranges if e > s],
             swa_evicted_seqlen=kv.swa_evicted_seqlen,
+            swa_dead_lo=kv.swa_dead_lo(self.page_size),
         )

@@ -144,13 +144,19 @@ class InvariantChecker:
         row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
         allocated = ceil_align(kv.kv_allocated_len, page) if page > 1 else kv.kv_allocated_len
         lo = kv.cache_protected_len
-        if pool.translate is not None:
-            lo = max(lo, kv.swa_evicted_seqlen)
-        count = max(0, allocated - lo)
-        slots = row[lo : kv.kv_allocated_len].to(torch.int64)
-        if pool.translate is not None and slots.numel():
-            slots = pool.translate(slots)
-        return slots, count
+        if pool.translate is None:
+            return row[lo : kv.kv_allocated_len].to(torch.int64), max(0, allocated - lo)
+        # Window side: [swa_dead_lo, cursor) was freed while decoding; a floor above the
+        # tree's prefix keeps [protected, swa_dead_lo) alive.
+        dead_lo = max(lo, kv.swa_dead_lo(page))
+        cursor = kv.swa_evicted_seqlen
+        if cursor > dead_lo:
+            slots = torch.cat([row[lo:dead_lo], row[cursor : kv.kv_allocated_len]]).to(torch.int64)
+            count = (dead_lo - lo) + max(0, allocated - cursor)
+        else:
+            slots = row[lo : kv.kv_allocated_len].to(torch.int64)
+            count = max(0, allocated - lo)
+        return (pool.translate(slots) if slots.numel() else slots), count
 
     def _check_pool(self, pool: _Pool, cached: tuple[int, int], live, idle, page: int) -> PoolReport:
         alloc = pool.allocator

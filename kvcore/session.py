@@ -98,6 +98,10 @@ class StreamingSession(BasePrefixCache):
     def page_size(self) -> int:
         return self.inner.page_size
 
+    @property
+    def insert_frees_duplicates(self) -> bool:
+        return self.inner.insert_frees_duplicates
+
     def __getattr__(self, name: str):
         # Backend-specific attributes (sliding_window_size, ...) read through.
         if name == "inner":

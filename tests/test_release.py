@@ -187,3 +187,24 @@ def test_row_free_splits_at_the_window_cursor():
     release_kv_cache(req, cache)
     InvariantChecker(cache).check([req])
     assert alloc.full_available_size() == 256 and alloc.swa_available_size() == 128
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_window_floor_keeps_its_slots_and_release_returns_them(page_size):
+    cache = swa_chunk_cache(page_size=page_size)
+    alloc = cache.token_to_kv_pool_allocator
+    req = Req("floored", list(range(48)))
+    admit(cache, req, 48)
+    req.kv.kv_committed_len = 48
+    req.kv.swa_evict_floor = 10  # e.g. an image prefix the window must not evict
+    free_swa_out_of_window_slots(req, 48, sliding_window_size=8, page_size=page_size,
+                                 req_to_token_pool=cache.req_to_token_pool, token_to_kv_pool_allocator=alloc,
+                                 is_chunk_cache=True)
+    dead_lo = req.kv.swa_dead_lo(page_size)
+    assert dead_lo == (10 if page_size == 1 else 12) and req.kv.swa_evicted_seqlen == 40
+    assert alloc.swa_available_size() == 128 - 48 + (40 - dead_lo)
+    (_, swa) = InvariantChecker(cache).check([req])
+    assert swa.uncached == dead_lo + (48 - 40)
+    release_kv_cache(req, cache)
+    InvariantChecker(cache).check([req])
+    assert alloc.full_available_size() == 256 and alloc.swa_available_size() == 128

@@ -51,8 +51,12 @@ def _insert_owned(cache, key: RadixKey, reuse: bool):
     if slots is None:
         return None
     res = cache.insert(key, slots[:n])
-    # The cache keeps [prefix_len, aligned); duplicates and the partial page are the caller's.
-    keep_from = res.prefix_len if reuse else aligned
+    # The cache keeps [prefix_len, aligned); duplicates and the partial page are the caller's,
+    # except where the backend frees duplicates itself (SGLang's SWARadixCache does).
+    if cache.insert_frees_duplicates:
+        keep_from = 0
+    else:
+        keep_from = res.prefix_len if reuse else aligned
     drop = [d for d in (slots[:keep_from], slots[aligned:]) if d.numel()]
     if drop:
         cache.token_to_kv_pool_allocator.free(torch.cat(drop))

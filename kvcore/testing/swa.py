@@ -248,33 +248,6 @@ class SWACacheConformance(PrefixCacheConformance):
 
         return build
 
-    @pytest.fixture(autouse=True)
-    def _insert_frees_duplicates_aware(self, monkeypatch):
-        """SWA's ``insert`` frees the caller's duplicates itself (SGLang's SWARadixCache does);
-        the generic suite's insert helper must then give back only the unaligned tail."""
-        from kvcore.testing import conformance
-
-        original = conformance._insert_owned
-        if getattr(original, "handles_insert_frees_duplicates", False):
-            return
-
-        def insert_owned(cache, key, reuse):
-            if not getattr(cache, "insert_frees_duplicates", False):
-                return original(cache, key, reuse)
-            page = cache.page_size
-            n = len(key)
-            aligned = floor_align(n, page)
-            slots = alloc_slots(cache, -(-n // page) * page)
-            if slots is None:
-                return None
-            res = cache.insert(key, slots[:n])
-            if slots[aligned:].numel():
-                cache.token_to_kv_pool_allocator.free(slots[aligned:])
-            return res
-
-        insert_owned.handles_insert_frees_duplicates = True
-        monkeypatch.setattr(conformance, "_insert_owned", insert_owned)
-
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
