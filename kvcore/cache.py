@@ -189,9 +189,6 @@ class BasePrefixCache(ABC):
 
     # -- ownership, for the invariant checker ------------------------------
 
-    def pool_names(self) -> tuple[str, ...]:
-        return ("swa", "full") if self.supports_swa() else ("full",)
-
     def cached_sizes(self) -> dict[str, tuple[int, int]]:
         """Per pool: (evictable, protected) slot counts the cache holds."""
         if self.supports_swa():

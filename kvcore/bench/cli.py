@@ -56,7 +56,7 @@ def bench(
     backend: Annotated[Optional[List[str]], typer.Option("--backend", "-b", metavar="NAME", help="Backend to run; repeat to compare several.")] = None,
     compare: Annotated[Optional[str], typer.Option("--compare", help="Comma-separated backends to run side by side (ratios against the first).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda (cuda:N) or npu; on cuda/npu every prefill and decode writes real K/V.")] = "cpu",
-    workload: Annotated[str, typer.Option("--workload", "-w", help="shared-prefix, multi-turn, zipf, no-reuse, long-decode or trace.")] = "shared-prefix",
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="shared-prefix, multi-turn, zipf, no-reuse, long-decode or trace [default: long-decode when only SWA backends run, where window freeing shows; else shared-prefix].")] = None,
     trace: Annotated[Optional[str], typer.Option("--trace", help="Mooncake JSONL trace to replay (implies --workload trace; default: the shipped sample).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the workload generator.")] = 0,
     num_requests: Annotated[Optional[int], typer.Option("--num-requests", "-n", help="Requests to generate (trace: first N lines); default depends on the workload.")] = None,
@@ -70,7 +70,7 @@ def bench(
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="Prefill token budget per step (chunked prefill).")] = 2048,
     window: Annotated[int, typer.Option("--window", help="sliding_window_size for SWA backends.")] = 256,
     swa_size: Annotated[Optional[int], typer.Option("--swa-size", help="Window-pool slots for SWA backends (default: --size).")] = None,
-    swa_interval: Annotated[int, typer.Option("--swa-interval", help="Free out-of-window slots once this many tokens slid out (SGLang's SWA eviction interval).")] = 32,
+    swa_interval: Annotated[int, typer.Option("--swa-interval", help="Free out-of-window slots once this many tokens slid out (SGLang's SGLANG_SWA_EVICTION_INTERVAL, 128 there); 1 keeps each request within W + 2 pages.")] = 1,
     sessions: Annotated[bool, typer.Option("--sessions/--no-sessions", help="Run follow-up turns of multi-turn conversations on streaming sessions.")] = True,
     eviction_policy: Annotated[Optional[str], typer.Option("--eviction-policy", help="Eviction policy for tree backends (lru, lfu, ...).")] = None,
     step_ms: Annotated[float, typer.Option("--step-ms", help="Trace replay: milliseconds of trace time per scheduler step.")] = 20.0,
@@ -82,8 +82,16 @@ def bench(
     Exit status: 0, or 2 when a run leaked slots or broke an invariant.
     """
     names = _backend_list(backend, compare)
-    if trace is not None and workload == "shared-prefix":
-        workload = "trace"
+    if workload is None:
+        if trace is not None:
+            workload = "trace"
+        else:
+            from kvcore.bench.loop import is_swa_backend
+            from kvcore.plugins import get_backend
+
+            for name in names:
+                get_backend(name)  # BackendNotFound names the known ones
+            workload = "long-decode" if all(is_swa_backend(n) for n in names) else "shared-prefix"
     if workload not in _WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of: {', '.join(_WORKLOADS)}")
     for opt, val in (("--size", size), ("--page-size", page_size), ("--max-num-reqs", max_num_reqs),

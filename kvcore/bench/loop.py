@@ -29,7 +29,12 @@ from kvcore.bench.workloads import RequestSpec, Workload
 from kvcore.errors import InvariantViolation, KvcoreError
 from kvcore.keys import RadixKey
 from kvcore.record import Req, ReqKvInfo, ceil_align
-from kvcore.release import cache_unfinished_req, free_swa_out_of_window_slots, release_kv_cache
+from kvcore.release import (
+    cache_unfinished_req,
+    free_swa_out_of_window_slots,
+    free_swa_out_of_window_slots_batch,
+    release_kv_cache,
+)
 
 __all__ = ["BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache"]
 
@@ -48,7 +53,7 @@ class BenchConfig:
     chunk_size: int = 2048
     window: int = 256
     swa_size: int | None = None
-    swa_interval: int = 32
+    swa_interval: int = 1
     sessions: bool = True
     check_every: int = 0
     write_kv: bool | None = None  # None: on for cuda/npu, off for cpu
@@ -84,6 +89,8 @@ class RunResult:
     invariant_violations: int = 0
     violations: list[str] = field(default_factory=list)
     checks: int = 0
+    # Most window slots one decoding request held (just before its window free).
+    window_per_request_peak: int = 0
     timeline: dict = field(default_factory=dict)
 
 
@@ -169,7 +176,6 @@ class _Loop:
         self.chunk_cache = bool(cache.is_chunk_cache())
         self.window = int(getattr(cache, "sliding_window_size", cfg.window)) if self.swa else 0
         self.dev = torch.device(getattr(self.alloc, "device", "cpu") or "cpu")
-        self._group = hasattr(self.alloc, "free_group_begin")
         self._init_kv()
         if self.swa:
             self.caps = {"full": self.alloc.size_full, "swa": self.alloc.size_swa}
@@ -370,13 +376,14 @@ class _Loop:
         job.gen += 1
         self._dirty = True
 
-    def _sync(self, job: _Job) -> None:
-        """Write the decode rounds so far into the record and the output ids."""
+    def _sync(self, job: _Job, outputs: bool = True) -> None:
+        """Write the decode rounds so far into the record (and, unless told not to, the output ids)."""
         req = job.req
         length = job.off + self.G
         kv = req.kv
-        if kv.kv_allocated_len != length:
-            kv.kv_allocated_len = kv.kv_committed_len = length
+        kv.kv_allocated_len = kv.kv_committed_len = length
+        # Copying the outputs costs O(length): the window path, which needs only the lengths, skips it.
+        if outputs and len(req.output_ids) != length - len(req.origin_input_ids):
             req.output_ids = job.spec.output[: length - len(req.origin_input_ids)]
 
     def _tensors(self):
@@ -559,20 +566,34 @@ class _Loop:
         pc = time.perf_counter
         ps = self.ps
         if self.swa and self.window_heap and self.window_heap[0][0] <= self.G:
-            t = pc()
-            if self._group:
-                self.alloc.free_group_begin()
             heap = self.window_heap
+            due = []
+            held = 0
             while heap and heap[0][0] <= self.G:
                 _, _, gen, job = heapq.heappop(heap)
-                if gen != job.gen:
-                    continue
-                self._sync(job)
-                self._free_window(job.req, job.req.kv.kv_allocated_len)
-                self._push_window(job, after=True)
-            if self._group:
-                self.alloc.free_group_end()
+                if gen == job.gen:
+                    self._sync(job, outputs=False)
+                    due.append(job)
+                    kv = job.req.kv
+                    held = max(held, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
+            if held > self.res.window_per_request_peak:
+                self.res.window_per_request_peak = held
+            # One allocator free for the whole batch, as a scheduler would do it.
+            reqs = [job.req for job in due]
+            t = pc()
+            free_swa_out_of_window_slots_batch(
+                reqs,
+                [req.kv.kv_allocated_len for req in reqs],
+                sliding_window_size=self.window,
+                page_size=self.ps,
+                req_to_token_pool=self.r2t,
+                token_to_kv_pool_allocator=self.alloc,
+                is_chunk_cache=self.chunk_cache,
+                retain_floors=[self.backend.swa_retain_floor(req) for req in reqs],
+            )
             self.bt += pc() - t
+            for job in due:
+                self._push_window(job, after=True)
         while True:
             n = len(self.running)
             if n == 0:
