@@ -70,9 +70,11 @@ def run_ours(trace, values, page_size: int, policy: str, key_validation: str = "
     gc.collect()
     t0 = time.perf_counter()
     for i, ids in enumerate(trace):
-        m = match(RadixKey(ids))
+        # One key per request for both calls, as an engine holds it (SGLang's side does the same).
+        key = RadixKey(ids)
+        m = match(key)
         matched[i] = m.device_indices.shape[0]
-        insert(RadixKey(ids), values[i])
+        insert(key, values[i])
     elapsed = time.perf_counter() - t0
     return elapsed, matched, cache.total_size()
 
@@ -236,9 +238,10 @@ def run_sglang(mod, trace, values, page_size: int, policy: str, key_type: str):
     gc.collect()
     t0 = time.perf_counter()
     for i, ids in enumerate(keys):
-        m = match(MatchPrefixParams(key=SKey(ids)))
+        key = SKey(ids)
+        m = match(MatchPrefixParams(key=key))
         matched[i] = m.device_indices.shape[0]
-        insert(InsertParams(key=SKey(ids), value=values[i]))
+        insert(InsertParams(key=key, value=values[i]))
     elapsed = time.perf_counter() - t0
     return elapsed, matched, cache.total_size()
 

@@ -15,21 +15,27 @@ class RadixKey:
     """A token-id sequence in a namespace.
 
     Keys with different ``extra_key`` values (LoRA ids, cache salts) never share
-    a prefix.  Slicing keeps the namespace.
+    a prefix.  Slicing keeps the namespace.  ``validated`` becomes True once every
+    id has been checked (by ``as_radix_key`` or a cache), so reusing one key for
+    ``match_prefix`` and ``insert`` checks it once; a key's ids must not be
+    changed in place after that.
     """
 
-    __slots__ = ("token_ids", "extra_key")
+    __slots__ = ("token_ids", "extra_key", "validated")
 
     def __init__(self, token_ids: Sequence[int], extra_key: str | None = None):
         self.token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
         self.extra_key = extra_key
+        self.validated = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def __getitem__(self, item):
         if isinstance(item, slice):
-            return RadixKey(self.token_ids[item], self.extra_key)
+            part = RadixKey(self.token_ids[item], self.extra_key)
+            part.validated = self.validated
+            return part
         return self.token_ids[item]
 
     def __iter__(self):
@@ -62,6 +68,10 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
     if isinstance(key, RadixKey):
         ids = key.token_ids
         result = key
+    elif type(key) is list:
+        # No copy: caches slice what they keep, so sharing the caller's list is safe.
+        ids = key
+        result = RadixKey(ids)
     elif isinstance(key, torch.Tensor):
         if key.dim() != 1 or key.is_floating_point() or key.is_complex():
             raise TypeError(f"a tensor key must be a 1-D integer tensor, got shape {tuple(key.shape)} dtype {key.dtype}")
@@ -74,8 +84,10 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
         raise TypeError(
             f"a key must be a RadixKey, a list of token ids or a 1-D integer tensor, got {type(key).__name__}"
         )
-    if validate and ids:
-        _check_token_ids(ids)
+    if validate and not result.validated:
+        if ids:
+            _check_token_ids(ids)
+        result.validated = True
     return result
 
 

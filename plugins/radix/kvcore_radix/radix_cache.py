@@ -269,8 +269,10 @@ class RadixCache(BasePrefixCache):
         except TypeError:  # an unhashable element: report it the canonical way
             _validate(ids, 0)
             raise
-        if check_tail:
+        if check_tail and not rk.validated:
             _validate(ids, found[1] + found[3])
+            # The walked part equals validated cached ids, the rest was just checked.
+            rk.validated = True
         return found
 
     def match_prefix(self, key: KeyLike) -> MatchResult:
