@@ -89,7 +89,8 @@ class RunResult:
     invariant_violations: int = 0
     violations: list[str] = field(default_factory=list)
     checks: int = 0
-    # Most window slots one decoding request held (just before its window free).
+    # Most window slots one decoding request holds: after a window free, plus the
+    # tokens it decodes before the next one (its prompt is whole in the window until then).
     window_per_request_peak: int = 0
     timeline: dict = field(default_factory=dict)
 
@@ -568,16 +569,11 @@ class _Loop:
         if self.swa and self.window_heap and self.window_heap[0][0] <= self.G:
             heap = self.window_heap
             due = []
-            held = 0
             while heap and heap[0][0] <= self.G:
                 _, _, gen, job = heapq.heappop(heap)
                 if gen == job.gen:
                     self._sync(job, outputs=False)
                     due.append(job)
-                    kv = job.req.kv
-                    held = max(held, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
-            if held > self.res.window_per_request_peak:
-                self.res.window_per_request_peak = held
             # One allocator free for the whole batch, as a scheduler would do it.
             reqs = [job.req for job in due]
             t = pc()
@@ -592,8 +588,15 @@ class _Loop:
                 retain_floors=[self.backend.swa_retain_floor(req) for req in reqs],
             )
             self.bt += pc() - t
+            # What a decoding request holds at most: what it keeps now plus the tokens
+            # it decodes before its next window free.
+            held = 0
             for job in due:
+                kv = job.req.kv
+                held = max(held, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
                 self._push_window(job, after=True)
+            if due and held + self.cfg.swa_interval > self.res.window_per_request_peak:
+                self.res.window_per_request_peak = held + self.cfg.swa_interval
         while True:
             n = len(self.running)
             if n == 0:
