@@ -168,6 +168,8 @@ class RadixCache(BasePrefixCache):
         root = TreeNode([], torch.empty((0,), dtype=torch.int64, device=self.device), None, None, self.clock(),
                         priority=-sys.maxsize)
         root.lock_ref = 1
+        # (key, length, path, matched length) of the last match_prefix, for the insert after it.
+        self._last_walk: tuple | None = None
         root.hash_value = []
         self.root_node = root
         self._evictable_size = 0
@@ -294,6 +296,10 @@ class RadixCache(BasePrefixCache):
         if split_child is not None:
             split_child.last_access_time = now
             path.append(self._split_node(split_child, m))
+            pos += m
+        # An engine inserts the key it just matched: remember the walk so that insert
+        # need not repeat it while the tree's shape is unchanged.
+        self._last_walk = (rk, n, path, pos)
         if not path:
             return self._empty_match
         node = path[-1]
@@ -302,6 +308,7 @@ class RadixCache(BasePrefixCache):
 
     def _split_node(self, child: TreeNode, m: int) -> TreeNode:
         """Cut ``child`` after ``m`` tokens; the new upper half takes its place and its lock."""
+        self._last_walk = None
         parent = child.parent
         key = child.key
         new = TreeNode(key[:m], child.value[:m], parent, child.ck, child.creation_time, child.priority, child.extra_key)
@@ -348,7 +355,12 @@ class RadixCache(BasePrefixCache):
         if self.disable or n == 0:
             _validate(ids, 0)
             return InsertResult(0, self.root_node)
-        path, pos, split_child, m = self._walk(rk, n)
+        last = self._last_walk
+        if last is not None and last[0] is rk and last[1] == n and rk.validated:
+            path, pos, split_child, m = last[2], last[3], None, 0
+        else:
+            path, pos, split_child, m = self._walk(rk, n)
+        self._last_walk = None
         # Nothing has changed so far; from here on the insert cannot fail.
         if priority is None:
             priority = 0
@@ -468,6 +480,7 @@ class RadixCache(BasePrefixCache):
         get_priority = self.eviction_strategy.get_priority
         heap = [(get_priority(x), x.id, x) for x in self._evictable_leaves]
         heapq.heapify(heap)
+        self._last_walk = None
         leaves = self._evictable_leaves
         root = self.root_node
         events = self._events if self.enable_kv_events else None
