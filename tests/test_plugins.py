@@ -197,3 +197,44 @@ def test_backend_spec_has_the_contract_fields():
     for field in ("factory", "config", "description", "distribution", "version"):
         assert getattr(spec, field)
     assert plugin_failures() == [] or all(f.plugin != "kvcore.builtin_backends" for f in plugin_failures())
+
+
+POLICY = '''
+import kvcore
+
+class Newest:
+    """Evict the most recently created leaf first."""
+    def get_priority(self, node):
+        return -node.creation_time
+
+@kvcore.hookimpl
+def kvcore_register_eviction_policies(register):
+    register("newest", Newest)
+'''
+
+
+def test_a_plugin_registers_an_eviction_policy_for_tree_backends(tmp_path):
+    pytest.importorskip("kvcore_radix")
+    make_dist(tmp_path, "newest-policy", "newest_policy", POLICY)
+    script = textwrap.dedent('''
+        import itertools, torch, kvcore
+        print(",".join(kvcore.available_eviction_policies()))
+        cache = kvcore.create_cache("radix", size=64, max_num_reqs=2, max_context_len=16, eviction_policy="newest")
+        cache.clock = itertools.count().__next__
+        for key in ([1, 2], [3, 4], [5, 6]):
+            slots = cache.token_to_kv_pool_allocator.alloc(2)
+            cache.insert(key, slots)
+        cache.evict(2)
+        print([len(cache.match_prefix(k).device_indices) for k in ([1, 2], [3, 4], [5, 6])])
+        try:
+            kvcore.create_cache("radix", eviction_policy="oldest-first")
+        except ValueError as exc:
+            print("error:", exc)
+    ''')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    policies, remaining, error = out.stdout.strip().splitlines()
+    assert "newest" in policies.split(",") and "lru" in policies.split(",")
+    assert remaining == "[2, 2, 0]"  # the newest leaf went first
+    assert "backend 'radix'" in error and "'oldest-first'" in error and "newest" in error
