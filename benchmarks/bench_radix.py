@@ -11,9 +11,9 @@ trace in the same process; the matched lengths must agree exactly.
     python benchmarks/bench_radix.py --json
 
 SGLang is imported from ``--sglang-src`` when given; modules it needs that are
-missing here (metrics, kernels, KV-event transport) are replaced by minimal stubs
-inside this script; the radix tree code itself (``radix_cache.py``,
-``evict_policy.py``, ``cache_init_params.py``) is SGLang's own.
+missing here (metrics, kernels, KV-event transport) are replaced by stubs from
+``tools/sglang_shim.py``; the radix tree code itself (``radix_cache.py``,
+``base_prefix_cache.py``, ``evict_policy.py``, ``utils.py``) is SGLang's own.
 """
 
 from __future__ import annotations
@@ -84,125 +84,10 @@ def run_ours(trace, values, page_size: int, policy: str, key_validation: str = "
 
 def _stub_sglang(src: str) -> None:
     """Make ``sglang.srt.mem_cache.radix_cache`` importable without SGLang's heavy deps."""
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        del sys.modules[name]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools.sglang_shim import load_sglang
 
-    def package(name: str, path: str) -> types.ModuleType:
-        mod = types.ModuleType(name)
-        mod.__path__ = [path]
-        sys.modules[name] = mod
-        return mod
-
-    root = os.path.join(src, "sglang")
-    package("sglang", root)
-    package("sglang.srt", os.path.join(root, "srt"))
-    package("sglang.srt.mem_cache", os.path.join(root, "srt", "mem_cache"))
-
-    # base_prefix_cache: only the parameter/result records and the base class.
-    bpc = types.ModuleType("sglang.srt.mem_cache.base_prefix_cache")
-
-    @dataclasses.dataclass
-    class MatchPrefixParams:
-        key: Any
-        cow_mamba: bool = False
-        req: Any = None
-
-    @dataclasses.dataclass
-    class InsertParams:
-        key: Any = None
-        value: Optional[torch.Tensor] = None
-        chunked: bool = False
-        priority: int = 0
-
-    @dataclasses.dataclass
-    class InsertResult:
-        prefix_len: int
-        total_len: int = 0
-        last_device_node: Any = None
-
-    @dataclasses.dataclass
-    class EvictParams:
-        num_tokens: int = 0
-        swa_num_tokens: int = 0
-        mamba_num: int = 0
-
-    @dataclasses.dataclass
-    class EvictResult:
-        num_tokens_evicted: int = 0
-        swa_num_tokens_evicted: int = 0
-        mamba_num_evicted: int = 0
-
-    @dataclasses.dataclass
-    class IncLockRefResult:
-        delta: Optional[int] = None
-
-    @dataclasses.dataclass
-    class DecLockRefParams:
-        swa_uuid_for_lock: Optional[int] = None
-
-    @dataclasses.dataclass
-    class DecLockRefResult:
-        delta: Optional[int] = None
-
-    class MatchResult(NamedTuple):
-        device_indices: torch.Tensor
-        last_device_node: Any
-        last_host_node: Any
-        best_match_node: Any
-        host_hit_length: int = 0
-
-    class BasePrefixCache:
-        metrics_collector = None
-
-        def init_metrics_collector(self):
-            pass
-
-        def update_eviction_metrics(self, num_evicted, start_time):
-            pass
-
-    for obj in (MatchPrefixParams, InsertParams, InsertResult, EvictParams, EvictResult, IncLockRefResult,
-                DecLockRefParams, DecLockRefResult, MatchResult, BasePrefixCache):
-        setattr(bpc, obj.__name__, obj)
-    sys.modules[bpc.__name__] = bpc
-
-    # events: a recorder that records nothing (events are off in this benchmark).
-    ev = types.ModuleType("sglang.srt.mem_cache.events")
-
-    class KVCacheEventRecorder:
-        def __init__(self, *, enabled: bool, page_size: int):
-            self.enabled = enabled
-
-        def record_store(self, node, medium=None):
-            if not self.enabled:
-                return
-
-        def record_remove(self, node, medium=None):
-            if not self.enabled:
-                return
-
-        def record_all_cleared(self):
-            if not self.enabled:
-                return
-
-    ev.KVCacheEventRecorder = KVCacheEventRecorder
-    sys.modules[ev.__name__] = ev
-
-    # utils: the eviction-strategy table over SGLang's real evict_policy module.
-    policy = importlib.import_module("sglang.srt.mem_cache.evict_policy")
-    ut = types.ModuleType("sglang.srt.mem_cache.utils")
-    table = {
-        "lru": policy.LRUStrategy, "lfu": policy.LFUStrategy, "fifo": policy.FIFOStrategy,
-        "mru": policy.MRUStrategy, "filo": policy.FILOStrategy, "priority": policy.PriorityStrategy,
-        "slru": policy.SLRUStrategy,
-    }
-    ut.get_eviction_strategy = lambda name: table[name.lower()]()
-
-    def _unused(*a, **k):
-        raise NotImplementedError("stubbed out by bench_radix.py")
-
-    ut.get_hash_str = _unused
-    ut.split_node_hash_value = lambda hv, split_len, page_size: (None, None) if hv is None else _unused()
-    sys.modules[ut.__name__] = ut
+    load_sglang(src)
 
 
 def import_sglang(src: str | None):

@@ -348,6 +348,11 @@ class _Loop:
             self.bt += pc() - t
             self.chunked = job
         else:
+            # Like SGLang's scheduler: a prompt that finished prefill goes into the tree
+            # now, so requests arriving while it decodes can share it.
+            t = pc()
+            cache_unfinished_req(req, self.cache)
+            self.bt += pc() - t
             self.chunked = None
             self._join(job)
         return True
