@@ -51,6 +51,7 @@ class TokenToKVPoolAllocator:
         self._free_cnt.fill_(1)
         self._free_cnt[0] = 0
         self._group: list[torch.Tensor] | None = None
+        self._rep_group: list[torch.Tensor] = []
 
     def available_size(self) -> int:
         return self._count * self.page_size
@@ -122,14 +123,22 @@ class TokenToKVPoolAllocator:
 
         With ``commit`` the pages are also marked free (the caller then pushes them).
         """
+        self._check_range(slots)
+        p = self.page_size
+        # Several slots of one page in one call are normal when paged; SGLang frees unique pages.
+        pages = slots if p == 1 else torch.unique(slots // p)
+        return self._checked_page_ids(pages, commit)
+
+    def _check_range(self, slots: torch.Tensor) -> None:
         p = self.page_size
         lo, hi = (int(v) for v in torch.aminmax(slots))
         if lo < p or hi >= self.size + p:
             raise ValueError(
                 f"slot {lo if lo < p else hi} is padding or out of range: valid slots are [{p}, {self.size + p})"
             )
-        # Several slots of one page in one call are normal when paged; SGLang frees unique pages.
-        pages = slots if p == 1 else torch.unique(slots // p)
+
+    def _checked_page_ids(self, pages: torch.Tensor, commit: bool = False) -> torch.Tensor:
+        """Check (and with ``commit`` mark free) page ids, kept in the given order."""
         k = pages.numel()
         cnt = self._free_cnt
         # After adding one per page every count must be exactly 1: a 2 is a double free
@@ -178,13 +187,87 @@ class TokenToKVPoolAllocator:
             return
         self._push(self._checked_pages(slots, commit=True))
 
+    def _segment_pages(self, free_index: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Page ids of row positions ``[start_pos, start_pos + n)``, in row order (SGLang's stride picks)."""
+        p = self.page_size
+        off = start_pos % p
+        reps = free_index[::p] if off == 0 else torch.cat((free_index[:1], free_index[p - off :: p]))
+        return reps // p
+
+    def free_segment(self, free_index: Any, *, start_pos: int = 0) -> None:
+        """Free ``row[start_pos : start_pos + n]`` of one request (or a page-aligned tree value).
+
+        SGLang's ``free_segment``: with ``page_size > 1`` the pages go back in row order
+        (not sorted as ``free`` does), so later allocations get the same slots.
+        """
+        slots = self._as_slots(free_index)
+        if slots.numel() == 0:
+            return
+        if self.page_size == 1:
+            self.free(slots)
+            return
+        self._check_range(slots)
+        pages = self._segment_pages(slots, start_pos)
+        if self._group is not None:
+            self._checked_page_ids(pages)
+            self._rep_group.append(pages.clone())
+            return
+        self._push(self._checked_page_ids(pages, commit=True))
+
+    def free_segments(self, segments: Sequence[tuple[Any, int]]) -> None:
+        """Free ascending, disjoint ``(slots, start_pos)`` pieces of one request's row.
+
+        SGLang's ``free_segments``: a page shared by consecutive pieces goes back once,
+        each piece as one ``free_segment`` (so, paged, the later piece ends up in front).
+        Checked as a whole first: on a bad slot nothing is freed.
+        """
+        p = self.page_size
+        pieces: list[tuple[torch.Tensor, int]] = []
+        prev_end = None
+        for free_index, start in segments:
+            slots = self._as_slots(free_index)
+            n = slots.numel()
+            if n == 0:
+                continue
+            end = start + n
+            if prev_end is not None and start // p == (prev_end - 1) // p:
+                boundary = (start // p + 1) * p
+                slots = slots[boundary - start :]
+                start = boundary
+            prev_end = end
+            if slots.numel():
+                pieces.append((slots, start))
+        if not pieces:
+            return
+        if len(pieces) == 1:
+            self.free_segment(pieces[0][0], start_pos=pieces[0][1])
+            return
+        if p == 1:
+            self.free(torch.cat([sl for sl, _ in pieces]))
+            return
+        for sl, _ in pieces:
+            self._check_range(sl)
+        pages = [self._segment_pages(sl, st) for sl, st in pieces]
+        if self._group is not None:
+            self._checked_page_ids(torch.cat(pages))
+            self._rep_group.extend(pg.clone() for pg in pages)
+            return
+        self._checked_page_ids(torch.cat(pages), commit=True)
+        for pg in pages:
+            self._push(pg)
+
     def free_group_begin(self) -> None:
         self._group = []
+        self._rep_group = []
 
     def free_group_end(self) -> None:
         pending, self._group = self._group, None
+        reps, self._rep_group = self._rep_group, []
         if pending:
             self.free(torch.cat(pending))
+        if reps:
+            # SGLang releases a group's segment pages after its plain frees, in one block.
+            self._push(self._checked_page_ids(torch.cat(reps), commit=True))
 
     # ---- batched paged allocation (SGLang's alloc_extend / alloc_decode) ----
 

@@ -24,7 +24,13 @@ __all__ = [
 
 
 class EvictionStrategy:
-    """Base class; subclasses return a sortable priority, smallest evicted first."""
+    """Base class; subclasses return a sortable priority, smallest evicted first.
+
+    ``newest_first``: among equal priorities evict the newest node first (policies
+    ordering by negated time, where SGLang's finer clock would rank the newer node lower).
+    """
+
+    newest_first = False
 
     def get_priority(self, node: Any):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -54,12 +60,16 @@ class FIFOStrategy(EvictionStrategy):
 class MRUStrategy(EvictionStrategy):
     """Most recently used first."""
 
+    newest_first = True
+
     def get_priority(self, node):
         return -node.last_access_time
 
 
 class FILOStrategy(EvictionStrategy):
     """Newest node first."""
+
+    newest_first = True
 
     def get_priority(self, node):
         return -node.creation_time

@@ -295,7 +295,7 @@ class RadixCache(BasePrefixCache):
             x.last_access_time = now
         if split_child is not None:
             split_child.last_access_time = now
-            path.append(self._split_node(split_child, m))
+            path.append(self._split_node(split_child, m, now))
             pos += m
         # An engine inserts the key it just matched: remember the walk so that insert
         # need not repeat it while the tree's shape is unchanged.
@@ -306,12 +306,17 @@ class RadixCache(BasePrefixCache):
         value = node.value if len(path) == 1 else torch.cat([x.value for x in path])
         return MatchResult(value, node, node)
 
-    def _split_node(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut ``child`` after ``m`` tokens; the new upper half takes its place and its lock."""
+    def _split_node(self, child: TreeNode, m: int, now: float) -> TreeNode:
+        """Cut ``child`` after ``m`` tokens; the new upper half takes its place and its lock.
+
+        As in SGLang the upper half is a new node: created ``now`` (this matters to
+        the ``fifo``/``filo`` policies once it becomes a leaf), with the lower half's
+        access time, hit count and priority.
+        """
         self._last_walk = None
         parent = child.parent
         key = child.key
-        new = TreeNode(key[:m], child.value[:m], parent, child.ck, child.creation_time, child.priority, child.extra_key)
+        new = TreeNode(key[:m], child.value[:m], parent, child.ck, now, child.priority, child.extra_key)
         new.last_access_time = child.last_access_time
         new.lock_ref = child.lock_ref
         new.hit_count = child.hit_count
@@ -377,7 +382,7 @@ class RadixCache(BasePrefixCache):
                 node.priority = priority
         if split_child is not None:
             split_child.last_access_time = now
-            node = self._split_node(split_child, m)
+            node = self._split_node(split_child, m, now)
             node.hit_count += hit
             if priority > node.priority:
                 node.priority = priority
@@ -478,7 +483,11 @@ class RadixCache(BasePrefixCache):
         if self.disable or num_tokens <= 0 or not self._evictable_leaves:
             return EvictResult(0)
         get_priority = self.eviction_strategy.get_priority
-        heap = [(get_priority(x), x.id, x) for x in self._evictable_leaves]
+        # Equal priorities go oldest node first, or newest first for policies that
+        # evict the newest (mru, filo): SGLang's clock orders a new leaf after its split
+        # sibling within one call, where ours reads the clock once.
+        tie = -1 if getattr(self.eviction_strategy, "newest_first", False) else 1
+        heap = [(get_priority(x), tie * x.id, x) for x in self._evictable_leaves]
         heapq.heapify(heap)
         self._last_walk = None
         leaves = self._evictable_leaves
@@ -501,10 +510,32 @@ class RadixCache(BasePrefixCache):
             x.value = None
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 leaves.add(parent)
-                heapq.heappush(heap, (get_priority(parent), parent.id, parent))
+                heapq.heappush(heap, (get_priority(parent), tie * parent.id, parent))
         if freed:
-            self.token_to_kv_pool_allocator.free(freed[0] if len(freed) == 1 else torch.cat(freed))
+            self._free_evicted(freed)
         return EvictResult(num_tokens_evicted=num)
+
+    def _free_evicted(self, freed: list) -> None:
+        """Give evicted values back in SGLang's free-list order.
+
+        SGLang frees each leaf with ``free_segment`` as it goes: appended at the back
+        when ``page_size == 1``, paged in front in row order -- so, paged, the last
+        leaf evicted ends up first.  One call here does the same.
+        """
+        alloc = self.token_to_kv_pool_allocator
+        free_segment = getattr(alloc, "free_segment", None)
+        if self.page_size == 1 or free_segment is None:
+            alloc.free(freed[0] if len(freed) == 1 else torch.cat(freed))
+        else:
+            free_segment(freed[0] if len(freed) == 1 else torch.cat(freed[::-1]), start_pos=0)
+
+    def free_kv_row(self, kv, ranges: list[tuple[int, int]]) -> None:
+        """As the base class, but through the allocator's ``free_segments`` (SGLang's page order)."""
+        free_segments = getattr(self.token_to_kv_pool_allocator, "free_segments", None)
+        if free_segments is None or kv.swa_evicted_seqlen:
+            return super().free_kv_row(kv, ranges)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        free_segments([(row[s:e].to(torch.int64), s) for s, e in ranges if e > s])
 
     # ------------------------------------------------------------------ requests
 
@@ -512,8 +543,12 @@ class RadixCache(BasePrefixCache):
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
-        if self.disable or not is_insert:
+        if self.disable:
             self.free_kv_row(kv, [(protected, committed)])
+        elif not is_insert:
+            # Two pieces, as SGLang frees them (paged, the tail's page ends up in front).
+            aligned = floor_align(committed, self.page_size)
+            self.free_kv_row(kv, [(protected, aligned), (aligned, committed)])
         else:
             aligned = floor_align(committed, self.page_size)
             row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
