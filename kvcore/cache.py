@@ -83,7 +83,7 @@ def free_kv_row_segments(
     hold their window slots.
     """
     dead: list[torch.Tensor] = []
-    alive: list[torch.Tensor] = []
+    alive: list[tuple[torch.Tensor, int]] = []
     for slots, start in segments:
         n = slots.numel()
         if n == 0:
@@ -91,11 +91,11 @@ def free_kv_row_segments(
         lo = min(max(swa_dead_lo - start, 0), n)
         hi = min(max(swa_evicted_seqlen - start, lo), n)
         if lo:
-            alive.append(slots[:lo])
+            alive.append((slots[:lo], start))
         if hi > lo:
             dead.append(slots[lo:hi])
         if hi < n:
-            alive.append(slots[hi:])
+            alive.append((slots[hi:], start + hi))
     if dead:
         free_full = getattr(allocator, "free_full", None)
         if free_full is None:
@@ -108,7 +108,12 @@ def free_kv_row_segments(
             raise ValueError(f"SWA cursor {swa_evicted_seqlen} splits a page (page_size {allocator.page_size})")
         free_full(dead[0] if len(dead) == 1 else torch.cat(dead))
     if alive:
-        allocator.free(alive[0] if len(alive) == 1 else torch.cat(alive))
+        # Piece by piece, in row order: SGLang's page order, so later allocations match.
+        free_segments = getattr(allocator, "free_segments", None)
+        if free_segments is not None:
+            free_segments(alive)
+        else:
+            allocator.free(alive[0][0] if len(alive) == 1 else torch.cat([slots for slots, _ in alive]))
 
 
 class BasePrefixCache(ABC):

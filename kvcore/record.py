@@ -83,6 +83,8 @@ class Req:
     lock: Any = None
     extra_key: str | None = None
     session_id: str | None = None
+    # Feeds the ``priority`` eviction policy: what this request inserts is kept longer.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.kv is None:

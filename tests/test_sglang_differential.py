@@ -292,16 +292,11 @@ class SgReq:
         return self.origin_input_ids + self.output_ids
 
 
-class PriorityReq(Req):
-    """kvcore's Req has no ``priority`` field; the radix cache reads ``getattr(req, "priority", 0)``."""
-
-
 class ReqPair:
     def __init__(self, pair, rid, ids, extra, priority):
         self.pair = pair
         self.s = SgReq(rid, ids, extra, priority)
-        self.o = PriorityReq(rid, list(ids), extra_key=extra)
-        self.o.priority = priority
+        self.o = Req(rid, list(ids), extra_key=extra, priority=priority)
 
     def start(self):
         """match, take a row, lock, allocate the rest of the prompt.  False if out of memory."""

@@ -17,6 +17,26 @@ def _cpu_lens(x: Lens) -> torch.Tensor:
     return torch.as_tensor(list(x), dtype=torch.int64).reshape(-1)
 
 
+def trim_row_segments(segments: Sequence[tuple[torch.Tensor, int]], page_size: int) -> list[tuple[torch.Tensor, int]]:
+    """Drop empty ``(slots, start_pos)`` pieces and trim a piece's head page when the
+    piece before it already ends in that page, so a shared page is freed once."""
+    pieces: list[tuple[torch.Tensor, int]] = []
+    prev_end = None
+    for slots, start in segments:
+        n = slots.numel()
+        if n == 0:
+            continue
+        end = start + n
+        if prev_end is not None and start // page_size == (prev_end - 1) // page_size:
+            boundary = (start // page_size + 1) * page_size
+            slots = slots[boundary - start :]
+            start = boundary
+        prev_end = end
+        if slots.numel():
+            pieces.append((slots, start))
+    return pieces
+
+
 class TokenToKVPoolAllocator:
     """Hands out token slots (whole pages when ``page_size > 1``).
 
@@ -222,21 +242,7 @@ class TokenToKVPoolAllocator:
         Checked as a whole first: on a bad slot nothing is freed.
         """
         p = self.page_size
-        pieces: list[tuple[torch.Tensor, int]] = []
-        prev_end = None
-        for free_index, start in segments:
-            slots = self._as_slots(free_index)
-            n = slots.numel()
-            if n == 0:
-                continue
-            end = start + n
-            if prev_end is not None and start // p == (prev_end - 1) // p:
-                boundary = (start // p + 1) * p
-                slots = slots[boundary - start :]
-                start = boundary
-            prev_end = end
-            if slots.numel():
-                pieces.append((slots, start))
+        pieces = trim_row_segments([(self._as_slots(f), start) for f, start in segments], p)
         if not pieces:
             return
         if len(pieces) == 1:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from kvcore.pools.allocator import Lens, TokenToKVPoolAllocator, _cpu_lens
+from kvcore.pools.allocator import Lens, TokenToKVPoolAllocator, _cpu_lens, trim_row_segments
 
 __all__ = ["SWATokenToKVPoolAllocator"]
 
@@ -135,6 +135,19 @@ class SWATokenToKVPoolAllocator:
             return
         full.free(slots)
         self.free_swa(slots)
+
+    def free_segments(self, segments: Sequence[tuple[Any, int]]) -> None:
+        """Free ascending ``(slots, start_pos)`` pieces of one row, each as a ``free``.
+
+        As SGLang's base allocator does for its SWA pool: a page shared by two pieces
+        goes back once, with the earlier piece.  Every piece is checked before any is freed.
+        """
+        full = self.full_attn_allocator
+        pieces = trim_row_segments([(full._as_slots(f), start) for f, start in segments], self.page_size)
+        if len(pieces) > 1:
+            full._checked_pages(torch.cat([slots for slots, _ in pieces]))
+        for slots, _ in pieces:
+            self.free(slots)
 
     def free_full(self, free_index: Any) -> None:
         """Full side only: the caller already released the window side."""

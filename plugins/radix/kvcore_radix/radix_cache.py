@@ -529,14 +529,6 @@ class RadixCache(BasePrefixCache):
         else:
             free_segment(freed[0] if len(freed) == 1 else torch.cat(freed[::-1]), start_pos=0)
 
-    def free_kv_row(self, kv, ranges: list[tuple[int, int]]) -> None:
-        """As the base class, but through the allocator's ``free_segments`` (SGLang's page order)."""
-        free_segments = getattr(self.token_to_kv_pool_allocator, "free_segments", None)
-        if free_segments is None or kv.swa_evicted_seqlen:
-            return super().free_kv_row(kv, ranges)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        free_segments([(row[s:e].to(torch.int64), s) for s, e in ranges if e > s])
-
     # ------------------------------------------------------------------ requests
 
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
@@ -555,7 +547,7 @@ class RadixCache(BasePrefixCache):
             token_ids = req.fill_ids[:aligned]
             values = row[:aligned].to(torch.int64)
             result = self.insert(RadixKey(token_ids, req.extra_key), values,
-                                 priority=getattr(req, "priority", 0) or 0)
+                                 priority=req.priority)
             # Duplicates of what the tree already held, then the unaligned tail.
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
         if req.last_node is not None:
@@ -573,7 +565,7 @@ class RadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
         values = row[:aligned].to(torch.int64)
-        result = self.insert(key, values, priority=getattr(req, "priority", 0) or 0, chunked=chunked)
+        result = self.insert(key, values, priority=req.priority, chunked=chunked)
         self.free_kv_row(kv, [(protected, result.prefix_len)])
 
         match = self.match_prefix(key)
