@@ -94,6 +94,11 @@ def load_sglang_swa(src: Optional[str] = None) -> types.SimpleNamespace:
     paged.alloc_extend_kernel = _Kernel(extend_kernel)
     paged.alloc_decode_kernel = _Kernel(decode_kernel)
 
+    # free_swa_out_of_window_slots checks isinstance(alloc, UnifiedSWATokenToKVPoolAllocator):
+    # that module is stubbed, so give it a class nothing is an instance of.
+    me = imp("sglang.srt.mem_cache.multi_ended_allocator")
+    me.UnifiedSWATokenToKVPoolAllocator = type("UnifiedSWATokenToKVPoolAllocator", (), {})
+
     swa_rc = imp("sglang.srt.mem_cache.swa_radix_cache")
     chunk = imp("sglang.srt.mem_cache.chunk_cache")
     common = imp("sglang.srt.mem_cache.common")
@@ -101,7 +106,7 @@ def load_sglang_swa(src: Optional[str] = None) -> types.SimpleNamespace:
     swa_alloc_mod = imp("sglang.srt.mem_cache.allocator.swa")
 
     ns: dict = {"dataclasses": dataclasses, "Optional": Optional, "torch": torch, "Any": Any}
-    shim._lift(os.path.join(sg.src, "sglang", "srt", "utils", "common.py"), ["ceil_align"], ns)
+    shim._lift(os.path.join(sg.src, "sglang", "srt", "utils", "common.py"), ["ceil_div", "ceil_align"], ns)
     ReqKvInfo = _lift_class(os.path.join(sg.src, "sglang", "srt", "managers", "schedule_batch.py"), "ReqKvInfo", ns)
 
     class MappingOnlySWAKVPool(bsp.BaseSWAKVPool):

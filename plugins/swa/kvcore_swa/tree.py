@@ -4,8 +4,9 @@ Behaviour follows SGLang 0.5.19's ``SWARadixCache`` (written anew here):
 
 * Every node holds full-pool slots.  A node whose window slots were freed (window
   eviction, or a request's out-of-window tail) is a *tombstone*: it keeps its full
-  slots, has no window slots and is not in the window LRU.  An unlocked leaf is
-  never a tombstone.
+  slots, has no window slots and is not in the window LRU.  Inserts and evictions
+  never leave a tombstone leaf; a leaf that lost its window while fully locked
+  (``dec_swa_lock_only``, window eviction) stays one, evictable, once unlocked.
 * A match is valid up to a point with no tombstone on its path, or with at least
   ``sliding_window_size`` live tokens after the last tombstone; otherwise it falls
   back to the best earlier valid point.
@@ -460,7 +461,7 @@ class SWARadixCache(BasePrefixCache):
             prev_prefix_len = 0
             swa_evicted_seqlen = 0
         else:
-            value = self._check_value(value, len(ids))
+            value = self._check_value(value, len(ids), n)
         if self.disable:
             return InsertResult(0, self.root_node)
         if n == 0:
@@ -472,7 +473,7 @@ class SWARadixCache(BasePrefixCache):
         prefix_len, last = self._insert(ids, extra_key, n, value, prev_prefix_len, swa_evicted_seqlen)
         return InsertResult(prefix_len, last)
 
-    def _check_value(self, value, key_len: int) -> torch.Tensor:
+    def _check_value(self, value, key_len: int, aligned_len: Optional[int] = None) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             try:
                 value = torch.as_tensor(list(value), dtype=torch.int64)
@@ -482,8 +483,13 @@ class SWARadixCache(BasePrefixCache):
             raise TypeError(
                 f"value must be a 1-D integer tensor of slots, got shape {tuple(value.shape)} dtype {value.dtype}"
             )
-        if value.numel() != key_len:
-            raise ValueError(f"value has {value.numel()} slots but the key has {key_len} tokens")
+        # As SGLang, a value covering just the page-aligned part of the key will do.
+        lo = key_len if aligned_len is None else aligned_len
+        if not lo <= value.numel() <= key_len:
+            raise ValueError(
+                f"value has {value.numel()} slots but the key has {key_len} tokens"
+                + (f" ({lo} page-aligned)" if lo != key_len else "")
+            )
         return value.to(device=self.device, dtype=torch.int64)
 
     def _release_window(self, slots: torch.Tensor) -> None:
@@ -509,6 +515,13 @@ class SWARadixCache(BasePrefixCache):
             child = node.children.get(self._child_key(ids, pos, extra_key))
             if child is None:
                 break
+            # Root-to-leaf order: a child is more recent than its parent, so window
+            # eviction tombstones nodes near the root first.  As in SGLang the node is
+            # touched before it is split, so a split leaves the lower part more recent.
+            child.last_access_time = t
+            self.full_lru.touch(child)
+            if not child.tombstone:
+                self.swa_lru.touch(child)
             plen = self._match_len(child.key, ids, pos, n)
             if plen < len(child.key):
                 child = self._split(child, plen)
@@ -519,12 +532,6 @@ class SWARadixCache(BasePrefixCache):
                     self._split(child, prev - pos)
                     pos = prev
                 self._adopt_duplicate(child, value, pos, end, sev)
-            # Root-to-leaf order: a child is more recent than its parent, so window
-            # eviction tombstones nodes near the root first.
-            child.last_access_time = t
-            self.full_lru.touch(child)
-            if not child.tombstone:
-                self.swa_lru.touch(child)
             node = child
             pos = end
         prefix_len = pos
@@ -682,7 +689,9 @@ class SWARadixCache(BasePrefixCache):
             x.swa_lock_ref += 1
             swa_tokens += n
         stop = None
-        if 0 < k < len(path):
+        # As SGLang, a lock that reached the window gets a stop marker even when it
+        # reached it at the node under the root (the unlock then stops there too).
+        if 0 < k and (k < len(path) or swa_tokens >= self.sliding_window_size):
             top = path[k - 1]
             if top.swa_uuid is None:
                 top.swa_uuid = next(self._uuids)
@@ -733,9 +742,9 @@ class SWARadixCache(BasePrefixCache):
             if lock.extras is None:
                 lock.extras = {}
             lock.extras["released"] = True
-        if node.tombstone and not node.children and node.full_lock_ref == 0:
-            # A leaf whose window went early (dec_swa_lock_only) is useless once unlocked.
-            self._delete_tombstone_chain(node)
+        # A leaf whose window went early (dec_swa_lock_only, or window eviction under a
+        # full lock) stays as an unlocked tombstone leaf, as in SGLang: its full slots
+        # are evictable and the next full eviction takes it (and the tombstones above).
         return LockResult(full_delta, None, {"swa_delta": swa_delta})
 
     def _dec_swa(self, nodes: list[SWATreeNode], tombstone_leaves: bool) -> int:
@@ -828,6 +837,9 @@ class SWARadixCache(BasePrefixCache):
                     full_evicted += n
                     swa_evicted += n
                     self._delete_leaf(x, free=True)
+                    # The tombstone leaves this uncovers go too, and are counted.  (SGLang's
+                    # window phase frees them without counting them: its num_tokens_evicted
+                    # under-reports the full pool's gain there.  Ours is the pool's gain.)
                     _, freed = self._prune_tombstones(parent)
                     full_evicted += freed
                 x = nxt
@@ -911,7 +923,9 @@ class SWARadixCache(BasePrefixCache):
             return
         self._settle_window(kv, committed)
         aligned = floor_align(committed, self.page_size)
-        if is_insert and aligned > protected:
+        if is_insert and aligned > 0 and aligned >= protected:
+            # Even with nothing new (aligned == protected) the insert walk touches the
+            # path in both LRU orders, as SGLang's does.
             ids = self._req_key_ids(req, aligned)
             values = self._row(kv)[:aligned].to(torch.int64)
             self._insert(ids, req.extra_key, aligned, values, protected, kv.swa_evicted_seqlen)
@@ -924,7 +938,15 @@ class SWARadixCache(BasePrefixCache):
         req.lock = None
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
-        """Insert ``fill_ids[:kv_committed_len]`` of a running request and move its lock there."""
+        """Insert ``fill_ids[:kv_committed_len]`` of a running request and move its lock there.
+
+        As SGLang: insert (which touches the path), then match the same key (which
+        touches it again, parents older than children) and lock the end of the
+        inserted path.  Where the match comes back shorter than the inserted key (a
+        tombstone-limited path), SGLang takes the shorter match, leaving the part
+        in between owned by both the tree and the request; the prefix and the lock
+        are read from the inserted path instead.
+        """
         kv = req.kv
         committed = kv.kv_committed_len
         row = self._row(kv)
@@ -935,23 +957,30 @@ class SWARadixCache(BasePrefixCache):
         protected = kv.cache_protected_len
         sev = kv.swa_evicted_seqlen
         aligned = floor_align(committed, self.page_size)
-        if aligned <= protected or sev >= aligned:
-            # Nothing new, or nothing the tree could keep as a live leaf.
+        if aligned == 0 or aligned < protected or sev >= aligned:
+            # Nothing the tree could keep as a live leaf.
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
         ids = self._req_key_ids(req, aligned)
         values = row[:aligned].to(torch.int64)
         _, last = self._insert(ids, req.extra_key, aligned, values, protected, sev)
-        tree_values = self._path_values(last)
+        # SGLang re-matches the key here; the match's LRU touches (parents older than
+        # children) decide later evictions, so do the same.
+        m = self.match_prefix(RadixKey(ids, req.extra_key))
+        if m.last_device_node is last:
+            tree_values = m.device_indices
+        else:
+            tree_values = self._path_values(last)
         assert tree_values.numel() == aligned, (tree_values.numel(), aligned)
-        row[protected:aligned] = tree_values[protected:].to(row.dtype)
-        kv.cache_protected_len = aligned
+        new_len = aligned
+        row[protected:new_len] = tree_values[protected:].to(row.dtype)
+        kv.cache_protected_len = new_len
         new_lock = self.inc_lock_ref(last)
         self._release_req_lock(req)
         req.lock = new_lock
         req.last_node = last
-        if aligned < committed:
-            req.prefix_indices = torch.cat([tree_values, row[aligned:committed].to(torch.int64)])
+        if new_len < committed:
+            req.prefix_indices = torch.cat([tree_values, row[new_len:committed].to(torch.int64)])
         else:
             req.prefix_indices = tree_values
 
@@ -1001,7 +1030,6 @@ class SWARadixCache(BasePrefixCache):
                 fe += n
             if x.tombstone:
                 assert x.swa_lock_ref == 0 and x not in self.swa_lru, x
-                assert x.children or x.full_lock_ref > 0, f"unlocked tombstone leaf {x}"
             else:
                 assert x in self.swa_lru, x
                 swa_in += 1

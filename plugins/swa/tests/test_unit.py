@@ -192,9 +192,14 @@ def test_early_window_unlock_of_a_leaf_frees_its_window_at_once():
     assert cache.token_to_kv_pool_allocator.swa_available_size() == swa_free + 8
     assert node.tombstone and cache.swa_total_size() == 0
     check(cache)
-    # Dropping the full lock deletes the (now useless) tombstone leaf.
+    # Dropping the full lock leaves an evictable tombstone leaf (as SGLang); full eviction takes it.
     cache.dec_lock_ref(node, lock)
+    assert cache.total_size() == 8 and cache.full_evictable_size() == 8 and cache.swa_total_size() == 0
+    check(cache)
+    full_free = cache.token_to_kv_pool_allocator.full_available_size()
+    assert cache.evict(1, 0).num_tokens_evicted == 8
     assert cache.total_size() == 0
+    assert cache.token_to_kv_pool_allocator.full_available_size() == full_free + 8
     check(cache)
 
 
