@@ -21,6 +21,7 @@ from kvcore.release import (
     cache_unfinished_req,
     free_swa_out_of_window_slots,
     free_swa_out_of_window_slots_batch,
+    free_window_slots,
     release_kv_cache,
 )
 from kvcore.session import SessionSlot, StreamingSession
@@ -61,6 +62,7 @@ __all__ = [
     "create_cache",
     "free_swa_out_of_window_slots",
     "free_swa_out_of_window_slots_batch",
+    "free_window_slots",
     "hookimpl",
     "hookspec",
     "plugin_failures",

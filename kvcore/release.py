@@ -17,6 +17,7 @@ __all__ = [
     "cache_unfinished_req",
     "free_swa_out_of_window_slots",
     "free_swa_out_of_window_slots_batch",
+    "free_window_slots",
 ]
 
 
@@ -163,3 +164,23 @@ def free_swa_out_of_window_slots_batch(
         for kv, new_cursor in moves:
             kv.swa_evicted_seqlen = new_cursor
     return len(flat)
+
+
+def free_window_slots(cache: BasePrefixCache, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
+    """``free_swa_out_of_window_slots_batch`` with ``cache``'s own window, page size, pools and retain floors.
+
+    ``pre_lens`` defaults to each record's allocated length.  Returns the number of
+    window positions released.
+    """
+    if pre_lens is None:
+        pre_lens = [req.kv.kv_allocated_len for req in reqs]
+    return free_swa_out_of_window_slots_batch(
+        reqs,
+        pre_lens,
+        sliding_window_size=cache.sliding_window_size,
+        page_size=cache.page_size,
+        req_to_token_pool=cache.req_to_token_pool,
+        token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator,
+        is_chunk_cache=cache.is_chunk_cache(),
+        retain_floors=[cache.swa_retain_floor(req) for req in reqs],
+    )

@@ -266,6 +266,9 @@ class StreamingSession(BasePrefixCache):
     def supports_swa(self) -> bool:
         return self.inner.supports_swa()
 
+    def swa_retain_floor(self, req: Req) -> int | None:
+        return self.inner.swa_retain_floor(req)
+
     def cached_sizes(self) -> dict[str, tuple[int, int]]:
         return self.inner.cached_sizes()
 

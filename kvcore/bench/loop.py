@@ -31,8 +31,7 @@ from kvcore.keys import RadixKey
 from kvcore.record import Req, ReqKvInfo, ceil_align
 from kvcore.release import (
     cache_unfinished_req,
-    free_swa_out_of_window_slots,
-    free_swa_out_of_window_slots_batch,
+    free_window_slots,
     release_kv_cache,
 )
 
@@ -402,16 +401,7 @@ class _Loop:
         return self._rows_t, self._off_t, self._off_cpu
 
     def _free_window(self, req: Req, pre_len: int) -> None:
-        free_swa_out_of_window_slots(
-            req,
-            pre_len,
-            sliding_window_size=self.window,
-            page_size=self.ps,
-            req_to_token_pool=self.r2t,
-            token_to_kv_pool_allocator=self.alloc,
-            is_chunk_cache=self.chunk_cache,
-            retain_floor=self.backend.swa_retain_floor(req),
-        )
+        free_window_slots(self.backend, [req], [pre_len])
 
     def _reserve(self) -> tuple[int, int]:
         """Slots kept back for the running requests' decoding (SGLang's new-token ratio)."""
@@ -582,16 +572,7 @@ class _Loop:
             # One allocator free for the whole batch, as a scheduler would do it.
             reqs = [job.req for job in due]
             t = pc()
-            free_swa_out_of_window_slots_batch(
-                reqs,
-                [req.kv.kv_allocated_len for req in reqs],
-                sliding_window_size=self.window,
-                page_size=self.ps,
-                req_to_token_pool=self.r2t,
-                token_to_kv_pool_allocator=self.alloc,
-                is_chunk_cache=self.chunk_cache,
-                retain_floors=[self.backend.swa_retain_floor(req) for req in reqs],
-            )
+            free_window_slots(self.backend, reqs)
             self.bt += pc() - t
             # What a decoding request holds at most: what it keeps now plus the tokens
             # it decodes before its next window free.

@@ -169,18 +169,9 @@ def decode(cache, req: Req, n: int = 1, tokens: Iterable[int] | None = None) -> 
         kv.kv_committed_len = kv.kv_allocated_len
         done += 1
         if cache.supports_swa() and getattr(cache, "sliding_window_size", None):
-            from kvcore.release import free_swa_out_of_window_slots
+            from kvcore.release import free_window_slots
 
-            free_swa_out_of_window_slots(
-                req,
-                req.seqlen - 1,
-                sliding_window_size=cache.sliding_window_size,
-                page_size=cache.page_size,
-                req_to_token_pool=cache.req_to_token_pool,
-                token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator,
-                is_chunk_cache=cache.is_chunk_cache(),
-                retain_floor=cache.swa_retain_floor(req),
-            )
+            free_window_slots(cache, [req], [req.seqlen - 1])
     return done
 
 

@@ -37,7 +37,7 @@ import torch
 from kvcore.invariants import InvariantChecker
 from kvcore.keys import RadixKey
 from kvcore.record import Req, floor_align
-from kvcore.release import cache_unfinished_req, free_swa_out_of_window_slots, release_kv_cache
+from kvcore.release import cache_unfinished_req, free_window_slots, release_kv_cache
 from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance
 from kvcore.testing.helpers import alloc_slots
 
@@ -138,17 +138,7 @@ class SWAEngine:
                 cache_unfinished_req(req, self.cache, chunked=True)
 
     def _free_window(self, req: Req) -> None:
-        cache = self.cache
-        free_swa_out_of_window_slots(
-            req,
-            req.kv.kv_allocated_len,
-            sliding_window_size=cache.sliding_window_size,
-            page_size=cache.page_size,
-            req_to_token_pool=cache.req_to_token_pool,
-            token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator,
-            is_chunk_cache=cache.is_chunk_cache(),
-            retain_floor=cache.swa_retain_floor(req),
-        )
+        free_window_slots(self.cache, [req])
 
     def decode(self, req: Req, token: int) -> None:
         req.output_ids.append(token)

@@ -16,38 +16,8 @@ def min_swa_size(sliding_window_size: int, page_size: int) -> int:
     return sliding_window_size + 2 * page_size
 
 
-def _check_window(value: int) -> int:
-    if value <= 0:
-        raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
-    return value
-
-
-def _check_swa_pool(cfg) -> None:
-    ps = cfg.page_size
-    swa = cfg.swa_pool_size
-    if swa <= 0:
-        raise ValueError(f"swa_size must be positive, got {swa}")
-    if swa % ps:
-        raise ValueError(
-            f"swa_size={swa} is not a multiple of page_size={ps}; "
-            f"use a window pool such as {(swa // ps + 1) * ps}"
-        )
-    need = min_swa_size(cfg.sliding_window_size, ps)
-    if swa < need:
-        raise ValueError(
-            f"swa_size={swa} cannot hold one request's window: sliding_window_size={cfg.sliding_window_size} "
-            f"plus two pages of {ps} needs at least {need} window slots"
-        )
-
-
-def _build_swa_allocator(cfg):
-    from kvcore.pools import SWATokenToKVPoolAllocator
-
-    return SWATokenToKVPoolAllocator(cfg.size, cfg.swa_pool_size, cfg.page_size, cfg.device)
-
-
-class SWAConfig(TreeCacheConfig):
-    """Options of the ``swa`` backend (SGLang's SWARadixCache).
+class SWAChunkConfig(CacheConfig):
+    """Options of the ``swa-chunk`` backend (SGLang's SWAChunkCache): no prefix reuse.
 
     Every token has a slot in the full pool (``size``) and, while it is inside the
     window, one in the window pool (``swa_size``, default: as large as ``size``).
@@ -58,16 +28,27 @@ class SWAConfig(TreeCacheConfig):
 
     @field_validator("sliding_window_size")
     @classmethod
-    def _check_w(cls, value: int) -> int:
-        return _check_window(value)
+    def _check_window(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
+        return value
 
     @model_validator(mode="after")
-    def _check_swa(self):
-        _check_swa_pool(self)
-        if self.eviction_policy != "lru":
+    def _check_swa_pool(self):
+        ps = self.page_size
+        swa = self.swa_pool_size
+        if swa <= 0:
+            raise ValueError(f"swa_size must be positive, got {swa}")
+        if swa % ps:
             raise ValueError(
-                f"eviction_policy={self.eviction_policy!r} is not supported by the swa backend: it keeps two "
-                "LRU orders (full and window), so only 'lru' applies"
+                f"swa_size={swa} is not a multiple of page_size={ps}; "
+                f"use a window pool such as {(swa // ps + 1) * ps}"
+            )
+        need = min_swa_size(self.sliding_window_size, ps)
+        if swa < need:
+            raise ValueError(
+                f"swa_size={swa} cannot hold one request's window: sliding_window_size={self.sliding_window_size} "
+                f"plus two pages of {ps} needs at least {need} window slots"
             )
         return self
 
@@ -76,28 +57,19 @@ class SWAConfig(TreeCacheConfig):
         return self.size if self.swa_size is None else self.swa_size
 
     def build_allocator(self):
-        return _build_swa_allocator(self)
+        from kvcore.pools import SWATokenToKVPoolAllocator
+
+        return SWATokenToKVPoolAllocator(self.size, self.swa_pool_size, self.page_size, self.device)
 
 
-class SWAChunkConfig(CacheConfig):
-    """Options of the ``swa-chunk`` backend (SGLang's SWAChunkCache): no prefix reuse."""
-
-    sliding_window_size: int = Field(1024, description="attention window W in tokens")
-    swa_size: Optional[int] = Field(None, description="window-pool token slots (default: size)")
-
-    @field_validator("sliding_window_size")
-    @classmethod
-    def _check_w(cls, value: int) -> int:
-        return _check_window(value)
+class SWAConfig(TreeCacheConfig, SWAChunkConfig):
+    """Options of the ``swa`` backend (SGLang's SWARadixCache): the window options and the tree's."""
 
     @model_validator(mode="after")
-    def _check_swa(self):
-        _check_swa_pool(self)
+    def _check_policy(self):
+        if self.eviction_policy != "lru":
+            raise ValueError(
+                f"eviction_policy={self.eviction_policy!r} is not supported by the swa backend: it keeps two "
+                "LRU orders (full and window), so only 'lru' applies"
+            )
         return self
-
-    @property
-    def swa_pool_size(self) -> int:
-        return self.size if self.swa_size is None else self.swa_size
-
-    def build_allocator(self):
-        return _build_swa_allocator(self)
