@@ -19,7 +19,6 @@ missing here (metrics, kernels, KV-event transport) are replaced by stubs from
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import importlib
 import json
@@ -27,9 +26,7 @@ import os
 import random
 import sys
 import time
-import types
 from array import array
-from typing import Any, NamedTuple, Optional
 
 import torch
 

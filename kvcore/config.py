@@ -7,9 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["CacheConfig", "TreeCacheConfig", "KvBufferConfig", "CacheInitParams", "EvictionPolicyName"]
-
-EvictionPolicyName = str  # validated against the registered policies by tree backends
+__all__ = ["CacheConfig", "TreeCacheConfig", "KvBufferConfig", "CacheInitParams"]
 
 
 class KvBufferConfig(BaseModel):

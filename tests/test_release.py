@@ -1,7 +1,6 @@
 """release_kv_cache, free_swa_out_of_window_slots and the row-range free, on real pools."""
 
 import pytest
-import torch
 
 from kvcore import (
     CacheConfig,
@@ -16,16 +15,13 @@ from kvcore import (
     release_kv_cache,
 )
 from kvcore.factory import attach_lifecycle
+from kvcore.testing import extend_slots
 
 
 def admit(cache, req, n):
-    """Give req a row and n freshly allocated slots (no prefix reuse)."""
+    """Give req a row and n freshly allocated positions (no prefix reuse)."""
     assert cache.req_to_token_pool.alloc([req]) is not None
-    slots = cache.token_to_kv_pool_allocator.alloc(n)
-    assert slots is not None
-    cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n] = slots.to(torch.int32)
-    req.kv.kv_allocated_len = n
-    return slots
+    assert extend_slots(cache, req, n)
 
 
 def swa_chunk_cache(size=256, size_swa=128, page_size=1):

@@ -4,17 +4,15 @@ import pytest
 import torch
 
 from kvcore import InvariantChecker, Req, StreamingSession, create_cache, release_kv_cache
+from kvcore.testing import extend_slots
 
 
 def extend(cache, req, upto):
     """Allocate and commit positions [allocated, upto) of req's row."""
-    kv = req.kv
-    if not kv.is_held:
+    if not req.kv.is_held:
         assert cache.req_to_token_pool.alloc([req]) is not None
-    n = upto - kv.kv_allocated_len
-    slots = cache.token_to_kv_pool_allocator.alloc(n)
-    cache.req_to_token_pool.req_to_token[kv.req_pool_idx, kv.kv_allocated_len:upto] = slots.to(torch.int32)
-    kv.kv_allocated_len = kv.kv_committed_len = upto
+    assert extend_slots(cache, req, upto)
+    req.kv.kv_committed_len = upto
 
 
 @pytest.fixture

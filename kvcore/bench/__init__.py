@@ -5,14 +5,11 @@ Import cost stays low: the loop, the workloads and matplotlib load on use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __all__ = ["run_bench", "WORKLOAD_NAMES"]
 
 WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "zipf", "no-reuse", "long-decode", "trace")
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvcore.bench.loop import BenchConfig
 
 
 def run_bench(backends: list[str], *, workload: str = "shared-prefix", seed: int = 0, num_requests: int | None = None,

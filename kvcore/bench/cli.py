@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Annotated, List, Optional
 
@@ -126,30 +127,26 @@ def bench(
     if with_reference:
         run_names.append("radix")
 
-    progress_ctx = None
     progress = None
+    bar = contextlib.nullcontext()
     if sys.stderr.isatty() and not as_json:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress_ctx = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
         def progress(name: str):
-            task = progress_ctx.add_task(name, total=None)
+            task = bar.add_task(name, total=None)
 
             def update(done: int, total: int) -> None:
-                progress_ctx.update(task, completed=done, total=total)
+                bar.update(task, completed=done, total=total)
 
             return update
 
-    if progress_ctx is not None:
-        with progress_ctx:
-            reports = run_bench(run_names, workload=workload, seed=seed, num_requests=num_requests, trace=trace,
-                                step_ms=step_ms, progress=progress, **config)
-    else:
+    with bar:
         reports = run_bench(run_names, workload=workload, seed=seed, num_requests=num_requests, trace=trace,
-                            step_ms=step_ms, **config)
+                            step_ms=step_ms, progress=progress, **config)
     if with_reference:
         reports[-1]["_reference"] = True
 

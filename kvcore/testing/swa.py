@@ -39,7 +39,6 @@ from kvcore.keys import RadixKey
 from kvcore.record import Req, floor_align
 from kvcore.release import cache_unfinished_req, free_window_slots, release_kv_cache
 from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance
-from kvcore.testing.helpers import alloc_slots
 
 __all__ = ["SWACacheConformance", "SWACacheStateMachine", "SWAEngine", "window_slots_held"]
 
@@ -114,8 +113,7 @@ class SWAEngine:
             last = int(row[start - 1]) if start else -1
             slots = alloc.alloc_extend([start], [start], [end], [end], [last], end - start)
         if slots is None:
-            ev = cache.evict(end - start + self.page_size, end - start + self.page_size)
-            del ev
+            cache.evict(end - start + self.page_size, end - start + self.page_size)
             if self.page_size == 1:
                 slots = alloc.alloc(end - start)
             else:

@@ -14,7 +14,7 @@ from array import array
 import itertools
 import sys
 import time
-from typing import Any, Iterator, Literal, Optional
+from typing import Iterator, Literal, Optional
 
 import torch
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvcore
-from kvcore import CacheInitParams, InvariantChecker, RadixKey, Req, create_cache
+from kvcore import CacheInitParams, InvariantChecker, Req, create_cache
 from kvcore.testing.swa import SWAEngine
 from kvcore_swa import SWAChunkCache, SWAConfig, SWARadixCache
 
