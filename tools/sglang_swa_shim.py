@@ -102,31 +102,15 @@ def load_sglang_swa(src: Optional[str] = None) -> types.SimpleNamespace:
     swa_rc = imp("sglang.srt.mem_cache.swa_radix_cache")
     chunk = imp("sglang.srt.mem_cache.chunk_cache")
     common = imp("sglang.srt.mem_cache.common")
-    bsp = imp("sglang.srt.mem_cache.base_swa_memory_pool")
     swa_alloc_mod = imp("sglang.srt.mem_cache.allocator.swa")
 
     ns: dict = {"dataclasses": dataclasses, "Optional": Optional, "torch": torch, "Any": Any}
     shim._lift(os.path.join(sg.src, "sglang", "srt", "utils", "common.py"), ["ceil_div", "ceil_align"], ns)
     ReqKvInfo = _lift_class(os.path.join(sg.src, "sglang", "srt", "managers", "schedule_batch.py"), "ReqKvInfo", ns)
 
-    class MappingOnlySWAKVPool(bsp.BaseSWAKVPool):
-        """The full->window mapping and nothing else (no KV buffers)."""
-
-        def __init__(self):
-            self.full_to_swa_index_mapping = None
-
-        def register_mapping(self, full_to_swa_index_mapping):
-            self.full_to_swa_index_mapping = full_to_swa_index_mapping
-
-        def translate_loc_from_full_to_swa(self, kv_indices):
-            return self.full_to_swa_index_mapping[kv_indices].to(torch.int64)
-
-        def get_state_buf_infos(self):
-            return [], [], []
-
     def make_allocator(size: int, size_swa: int, page_size: int):
         return swa_alloc_mod.SWATokenToKVPoolAllocator(
-            size, size_swa, page_size, torch.float16, "cpu", MappingOnlySWAKVPool(), False)
+            size, size_swa, page_size, torch.float16, "cpu", sg.make_swa_kvpool(), False)
 
     def make_req_to_token_pool(num_reqs: int, max_context_len: int):
         return sg.ReqToTokenPool(num_reqs, max_context_len, "cpu", False)

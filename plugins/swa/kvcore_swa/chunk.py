@@ -9,6 +9,7 @@ import torch
 from kvcore.cache import EvictResult, InsertResult, MatchResult
 from kvcore.chunk_cache import ChunkCache
 
+from kvcore_swa.config import require_swa_allocator
 from kvcore_swa.tree import checked_key
 
 if TYPE_CHECKING:
@@ -28,13 +29,7 @@ class SWAChunkCache(ChunkCache):
     """
 
     def __init__(self, params: CacheInitParams, sliding_window_size: Optional[int] = None):
-        alloc = params.token_to_kv_pool_allocator
-        for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
-            if not hasattr(alloc, attr):
-                raise TypeError(
-                    f"SWAChunkCache needs an SWATokenToKVPoolAllocator (full and window pools), "
-                    f"got {type(alloc).__name__} without {attr}()"
-                )
+        require_swa_allocator(params.token_to_kv_pool_allocator, "SWAChunkCache")
         super().__init__(params)
         if sliding_window_size is None:
             sliding_window_size = getattr(params.config, "sliding_window_size", None)

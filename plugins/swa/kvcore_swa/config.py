@@ -8,7 +8,17 @@ from pydantic import Field, field_validator, model_validator
 
 from kvcore.config import CacheConfig, TreeCacheConfig
 
-__all__ = ["SWAConfig", "SWAChunkConfig", "min_swa_size"]
+__all__ = ["SWAConfig", "SWAChunkConfig", "min_swa_size", "require_swa_allocator"]
+
+
+def require_swa_allocator(allocator, backend: str) -> None:
+    """Raise TypeError unless ``allocator`` has a full and a window pool."""
+    for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
+        if not hasattr(allocator, attr):
+            raise TypeError(
+                f"{backend} needs an SWATokenToKVPoolAllocator (full and window pools), "
+                f"got {type(allocator).__name__} without {attr}()"
+            )
 
 
 def min_swa_size(sliding_window_size: int, page_size: int) -> int:

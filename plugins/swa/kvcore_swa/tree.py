@@ -38,6 +38,8 @@ from kvcore.cache import (
 from kvcore.keys import RadixKey, as_radix_key
 from kvcore.record import floor_align
 
+from kvcore_swa.config import require_swa_allocator
+
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
     from kvcore.record import Req, ReqKvInfo
@@ -218,12 +220,7 @@ class SWARadixCache(BasePrefixCache):
 
     def __init__(self, params: CacheInitParams, sliding_window_size: Optional[int] = None):
         alloc = params.token_to_kv_pool_allocator
-        for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
-            if not hasattr(alloc, attr):
-                raise TypeError(
-                    f"SWARadixCache needs an SWATokenToKVPoolAllocator (full and window pools), "
-                    f"got {type(alloc).__name__} without {attr}()"
-                )
+        require_swa_allocator(alloc, "SWARadixCache")
         config = params.config
         if sliding_window_size is None:
             sliding_window_size = getattr(config, "sliding_window_size", None)
