@@ -169,26 +169,23 @@ def _zipf(n: int, seed: int) -> Workload:
     return Workload("zipf", seed, reqs, p)
 
 
-def _no_reuse(n: int, seed: int) -> Workload:
-    p = dict(prompt=(256, 2048), output=(32, 256), rate=2.0)
+def _unrelated(name: str, p: dict, n: int, seed: int) -> Workload:
+    """Requests that share nothing: a fresh prompt and output each."""
     rng = random.Random(seed)
     toks = TokenSource(seed)
     reqs = [
         RequestSpec(f"r{i}", t, toks.take(rng.randint(*p["prompt"])), toks.take(rng.randint(*p["output"])))
         for i, t in enumerate(_arrivals(rng, n, p["rate"]))
     ]
-    return Workload("no-reuse", seed, reqs, p)
+    return Workload(name, seed, reqs, p)
+
+
+def _no_reuse(n: int, seed: int) -> Workload:
+    return _unrelated("no-reuse", dict(prompt=(256, 2048), output=(32, 256), rate=2.0), n, seed)
 
 
 def _long_decode(n: int, seed: int) -> Workload:
-    p = dict(prompt=(32, 256), output=(1024, 2048), rate=0.5)
-    rng = random.Random(seed)
-    toks = TokenSource(seed)
-    reqs = [
-        RequestSpec(f"r{i}", t, toks.take(rng.randint(*p["prompt"])), toks.take(rng.randint(*p["output"])))
-        for i, t in enumerate(_arrivals(rng, n, p["rate"]))
-    ]
-    return Workload("long-decode", seed, reqs, p)
+    return _unrelated("long-decode", dict(prompt=(32, 256), output=(1024, 2048), rate=0.5), n, seed)
 
 
 WORKLOADS: dict[str, Callable[[int, int], Workload]] = {
