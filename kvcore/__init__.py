@@ -6,6 +6,8 @@ backends (radix, swa, ...) are separate distributions found through the
 ``kvcore`` entry-point group.
 """
 
+from importlib.metadata import version as _version
+
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.chunk_cache import ChunkCache
 from kvcore.config import CacheConfig, CacheInitParams, KvBufferConfig, TreeCacheConfig
@@ -15,7 +17,13 @@ from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.invariants import InvariantChecker
 from kvcore.keys import RadixKey
 from kvcore.plugins import available_backends, available_eviction_policies, plugin_failures
-from kvcore.pools import MHATokenToKVPool, ReqToTokenPool, SWATokenToKVPoolAllocator, TokenToKVPoolAllocator
+from kvcore.pools import (
+    MHATokenToKVPool,
+    PoolView,
+    ReqToTokenPool,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
 from kvcore.record import Req, ReqKvInfo
 from kvcore.release import (
     cache_unfinished_req,
@@ -26,7 +34,7 @@ from kvcore.release import (
 )
 from kvcore.session import SessionSlot, StreamingSession
 
-__version__ = "0.1.0"
+__version__ = _version("kvcore")
 
 __all__ = [
     "BackendNotFound",
@@ -46,6 +54,7 @@ __all__ = [
     "MHATokenToKVPool",
     "MatchResult",
     "PluginError",
+    "PoolView",
     "RadixKey",
     "Req",
     "ReqKvInfo",

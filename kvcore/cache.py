@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import torch
 
 from kvcore.keys import KeyLike
 
 if TYPE_CHECKING:
+    from kvcore.pools.req_to_token import ReqToTokenPool
+    from kvcore.pools.views import PoolView, TokenAllocator
     from kvcore.record import Req, ReqKvInfo
 
 __all__ = [
@@ -20,7 +22,6 @@ __all__ = [
     "EvictResult",
     "LockResult",
     "SlotOwner",
-    "free_kv_row_segments",
 ]
 
 
@@ -41,8 +42,16 @@ class MatchResult(NamedTuple):
 
 @dataclass(slots=True)
 class InsertResult:
+    """What ``insert`` did: ``prefix_len`` tokens of the key were cached already.
+
+    ``duplicates_freed`` is True when ``insert`` itself freed the caller's slots
+    of that already-cached part (SGLang's SWA tree does); otherwise they are the
+    caller's to free.
+    """
+
     prefix_len: int
     last_device_node: Any = None
+    duplicates_freed: bool = False
 
 
 @dataclass(slots=True)
@@ -55,65 +64,22 @@ class EvictResult:
 class LockResult:
     """What ``inc_lock_ref`` took; hand it back to ``dec_lock_ref``.
 
-    ``delta`` is the change in protected tokens; ``swa_stop`` marks where a window
-    lock stopped (SWA backends), so the unlock stops at the same node.
+    ``delta`` is the change in protected tokens; ``stop`` marks where a lock with
+    a limited scope stopped (a window lock covers only the last window's nodes),
+    so the unlock stops at the same node.
     """
 
     delta: int = 0
-    swa_stop: Any = None
+    stop: Any = None
     extras: dict = field(default_factory=dict)
 
 
 class SlotOwner(NamedTuple):
-    """A set of slots in one pool that one owner (a tree node) holds."""
+    """A set of slots in one pool (by ``PoolView.name``) that one owner (a tree node) holds."""
 
     pool: str
     owner: str
     slots: torch.Tensor
-
-
-def free_kv_row_segments(
-    allocator, segments: list[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int, swa_dead_lo: int = 0
-) -> None:
-    """Free ascending ``(slots, start_pos)`` pieces of one row, split at the SWA cursor.
-
-    Window slots in ``[swa_dead_lo, swa_evicted_seqlen)`` were freed while decoding,
-    so only the full side goes back there; elsewhere both sides do.  Positions below
-    ``swa_dead_lo`` (a prefill prefix the floor kept out of window eviction) still
-    hold their window slots.
-    """
-    dead: list[torch.Tensor] = []
-    alive: list[tuple[torch.Tensor, int]] = []
-    for slots, start in segments:
-        n = slots.numel()
-        if n == 0:
-            continue
-        lo = min(max(swa_dead_lo - start, 0), n)
-        hi = min(max(swa_evicted_seqlen - start, lo), n)
-        if lo:
-            alive.append((slots[:lo], start))
-        if hi > lo:
-            dead.append(slots[lo:hi])
-        if hi < n:
-            alive.append((slots[hi:], start + hi))
-    if dead:
-        free_full = getattr(allocator, "free_full", None)
-        if free_full is None:
-            raise ValueError(
-                f"row positions below swa_evicted_seqlen={swa_evicted_seqlen} were window-evicted, "
-                f"but {type(allocator).__name__} has no window pool"
-            )
-        if alive and swa_evicted_seqlen % allocator.page_size:
-            # A page shared by the dead and alive sides would go back twice.
-            raise ValueError(f"SWA cursor {swa_evicted_seqlen} splits a page (page_size {allocator.page_size})")
-        free_full(dead[0] if len(dead) == 1 else torch.cat(dead))
-    if alive:
-        # Piece by piece, in row order: SGLang's page order, so later allocations match.
-        free_segments = getattr(allocator, "free_segments", None)
-        if free_segments is not None:
-            free_segments(alive)
-        else:
-            allocator.free(alive[0][0] if len(alive) == 1 else torch.cat([slots for slots, _ in alive]))
 
 
 class BasePrefixCache(ABC):
@@ -125,12 +91,9 @@ class BasePrefixCache(ABC):
     extension plugins can wrap them (see ``kvcore.hookspecs``).
     """
 
-    req_to_token_pool: Any
-    token_to_kv_pool_allocator: Any
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenAllocator
     page_size: int
-    # True where insert() frees the caller's duplicate slots itself (SGLang's SWA tree);
-    # otherwise the caller frees value[:prefix_len] after an insert.
-    insert_frees_duplicates: bool = False
     # Set by create_cache: this cache's own plugin manager and its hook relay.
     plugin_manager: Any = None
     hook: Any = None
@@ -158,6 +121,15 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def evict(self, num_tokens: int) -> EvictResult: ...
 
+    def make_room(self, num_tokens: int) -> EvictResult:
+        """Evict just enough that ``num_tokens`` new token slots fit in every pool a new token uses.
+
+        Backends whose tokens take slots in more than one pool override this with
+        each pool's shortfall.
+        """
+        short = num_tokens - self.token_to_kv_pool_allocator.available_size()
+        return self.evict(short) if short > 0 else EvictResult()
+
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> LockResult: ...
 
@@ -184,28 +156,34 @@ class BasePrefixCache(ABC):
     # -- traits -------------------------------------------------------------
 
     def is_chunk_cache(self) -> bool:
+        """True for caches without prefix reuse (SGLang's ChunkCache family)."""
         return False
 
-    def supports_swa(self) -> bool:
-        return False
+    # -- pools by name: what the checker, the bench and the engine read ------
 
-    def swa_retain_floor(self, req: Req) -> int | None:
-        return None
-
-    # -- ownership, for the invariant checker ------------------------------
+    def pools(self) -> list[PoolView]:
+        """Every pool this cache runs on; a backend with a pool of its own kind appends its view."""
+        return self.token_to_kv_pool_allocator.pool_views()
 
     def cached_sizes(self) -> dict[str, tuple[int, int]]:
-        """Per pool: (evictable, protected) slot counts the cache holds."""
-        if self.supports_swa():
-            return {
-                "full": (self.full_evictable_size(), self.full_protected_size()),
-                "swa": (self.swa_evictable_size(), self.swa_protected_size()),
-            }
+        """Per pool name: the (evictable, protected) slots the cache itself holds."""
         return {"full": (self.evictable_size(), self.protected_size())}
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
         """Every slot the cache itself holds, by pool and owning node."""
         return iter(())
+
+    def session_slots(self) -> list[Any]:
+        """Records the cache keeps alive between requests (a streaming session's slots); none by default."""
+        return []
+
+    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
+        """Free what left the attention window for a decode batch; returns the positions released.
+
+        ``pre_lens`` defaults to each record's allocated length.  A cache without a
+        window frees nothing; sliding-window backends override this.
+        """
+        return 0
 
     # -- release ------------------------------------------------------------
 
@@ -214,9 +192,9 @@ class BasePrefixCache(ABC):
 
         One call frees a page shared by two ranges once.
         """
+        assert kv.req_pool_idx is not None, "free_kv_row on a record that holds no row"
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        free_kv_row_segments(
-            self.token_to_kv_pool_allocator,
+        self.token_to_kv_pool_allocator.free_row_segments(
             [(row[s:e].to(torch.int64), s) for s, e in ranges if e > s],
             swa_evicted_seqlen=kv.swa_evicted_seqlen,
             swa_dead_lo=kv.swa_dead_lo(self.page_size),

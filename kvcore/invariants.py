@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch
 
 from kvcore.errors import InvariantViolation
+from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align
 
 __all__ = ["InvariantChecker", "PoolReport"]
@@ -34,15 +35,6 @@ class PoolReport:
         )
 
 
-class _Pool:
-    """One token pool's view: its page allocator and how to map full slots into it."""
-
-    def __init__(self, name: str, allocator, translate=None):
-        self.name = name
-        self.allocator = allocator
-        self.translate = translate
-
-
 def _owner_name(owner: Any) -> str:
     rid = getattr(owner, "rid", None)
     if rid is not None:
@@ -65,20 +57,11 @@ class InvariantChecker:
         self.cache = cache
 
     # -- helpers ---------------------------------------------------------------
-    def _pools(self) -> list[_Pool]:
-        alloc = self.cache.token_to_kv_pool_allocator
-        if hasattr(alloc, "swa_attn_allocator"):
-            return [
-                _Pool("full", alloc.full_attn_allocator),
-                _Pool("swa", alloc.swa_attn_allocator, translate=alloc.translate_loc_from_full_to_swa),
-            ]
-        return [_Pool("full", alloc)]
-
     def _records(self, owners: Iterable[Any]) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
         """Distinct records alive now, split into (run by a request) and (held by an idle session slot)."""
         live: dict[int, tuple[Any, Any]] = {}
         idle: dict[int, tuple[Any, Any]] = {}
-        slots = list(getattr(self.cache, "session_slots", lambda: [])())
+        slots = list(self.cache.session_slots())
         from kvcore.session import SessionSlot
 
         for owner in list(owners):
@@ -135,33 +118,36 @@ class InvariantChecker:
 
         sizes = cache.cached_sizes()
         reports = []
-        for pool in self._pools():
+        for pool in cache.pools():
             reports.append(self._check_pool(pool, sizes.get(pool.name, (0, 0)), live, idle, page))
         return reports
 
-    def _record_slots(self, pool: _Pool, kv, page: int) -> tuple[torch.Tensor, int]:
-        """Slots a record owns in ``pool`` (as full-side row entries) and their count for the balance."""
+    def _record_slots(self, pool: PoolView, kv, page: int) -> tuple[torch.Tensor, int]:
+        """Slots a record owns in ``pool`` (in that pool's ids) and their count for the balance."""
+        if pool.record_slots is not None:
+            return pool.record_slots(kv)
         row = self.cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
         allocated = ceil_align(kv.kv_allocated_len, page) if page > 1 else kv.kv_allocated_len
         lo = kv.cache_protected_len
-        if pool.translate is None:
-            return row[lo : kv.kv_allocated_len].to(torch.int64), max(0, allocated - lo)
-        # Window side: [swa_dead_lo, cursor) was freed while decoding; a floor above the
-        # tree's prefix keeps [protected, swa_dead_lo) alive.
         dead_lo = max(lo, kv.swa_dead_lo(page))
         cursor = kv.swa_evicted_seqlen
-        if cursor > dead_lo:
+        if pool.windowed and cursor > dead_lo:
+            # [swa_dead_lo, cursor) was freed while decoding; a floor above the tree's
+            # prefix keeps [protected, swa_dead_lo) alive.
             slots = torch.cat([row[lo:dead_lo], row[cursor : kv.kv_allocated_len]]).to(torch.int64)
             count = (dead_lo - lo) + max(0, allocated - cursor)
         else:
             slots = row[lo : kv.kv_allocated_len].to(torch.int64)
             count = max(0, allocated - lo)
-        return (pool.translate(slots) if slots.numel() else slots), count
+        if pool.translate is not None and slots.numel():
+            slots = pool.translate(slots)
+        return slots, count
 
-    def _check_pool(self, pool: _Pool, cached: tuple[int, int], live, idle, page: int) -> PoolReport:
+    def _check_pool(self, pool: PoolView, cached: tuple[int, int], live, idle, row_page: int) -> PoolReport:
         alloc = pool.allocator
-        num_pages = alloc.num_pages if hasattr(alloc, "num_pages") else alloc.size // page
-        total = num_pages * page
+        page = pool.page_size
+        num_pages = int(alloc.num_pages)
+        total = pool.capacity
         free = alloc.free_slots().to(torch.int64).cpu()
         owners: list[tuple[str, torch.Tensor]] = []
         uncached = session_held = 0
@@ -169,7 +155,7 @@ class InvariantChecker:
             for owner, kv in group:
                 if not kv.is_held:
                     continue
-                slots, count = self._record_slots(pool, kv, page)
+                slots, count = self._record_slots(pool, kv, row_page)
                 if bucket == "uncached":
                     uncached += count
                 else:

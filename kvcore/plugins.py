@@ -23,6 +23,8 @@ from kvcore.errors import PluginError
 __all__ = [
     "BackendSpec",
     "PluginFailure",
+    "PluginRegistry",
+    "registry",
     "available_backends",
     "available_eviction_policies",
     "get_backend",
@@ -49,10 +51,13 @@ class BackendSpec:
     distribution: str
     version: str
     plugin: str
+    # The backend a benchmark compares this one against by default (None: "radix").
+    reference: str | None = None
 
     def to_json(self) -> dict:
         return {
             "name": self.name,
+            "reference": self.reference,
             "distribution": self.distribution,
             "version": self.version,
             "plugin": self.plugin,
@@ -82,6 +87,8 @@ class _Origin:
 
 @dataclass
 class _State:
+    """What one load found: the plugin manager, who registered what, and what failed."""
+
     pm: pluggy.PluginManager
     origins: dict[str, _Origin] = field(default_factory=dict)
     backends: dict[str, BackendSpec] = field(default_factory=dict)
@@ -90,17 +97,8 @@ class _State:
     conflicts: dict[str, str] = field(default_factory=dict)
 
 
-_state: _State | None = None
-_lock = threading.Lock()
-
-
 def _kvcore_version() -> str:
-    try:
-        return metadata.version("kvcore")
-    except metadata.PackageNotFoundError:
-        from kvcore import __version__
-
-        return __version__
+    return metadata.version("kvcore")
 
 
 def _blocked_names() -> set[str]:
@@ -166,17 +164,22 @@ def _collect(state: _State) -> None:
         mine: list[BackendSpec] = []
 
         def register(name: str, factory: Callable[..., Any], config: type[CacheConfig] = CacheConfig,
-                     description: str = "", *, _origin=origin, _mine=mine) -> None:
+                     description: str = "", *, reference: str | None = None,
+                     _origin: _Origin = origin, _mine: list[BackendSpec] = mine) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(f"backend name must be a non-empty string, got {name!r}")
             if not callable(factory):
                 raise PluginError(f"backend {name!r}: factory {factory!r} is not callable")
             if not (isinstance(config, type) and issubclass(config, CacheConfig)):
                 raise PluginError(f"backend {name!r}: config must subclass kvcore.CacheConfig, got {config!r}")
+            if reference is not None and (not isinstance(reference, str) or not reference):
+                raise PluginError(f"backend {name!r}: reference must be a backend name, got {reference!r}")
             if any(s.name == name for s in _mine):
                 raise PluginError(f"backend {name!r} registered twice by {_origin.distribution}")
             doc = description or (getattr(factory, "__doc__", None) or "").strip().split("\n")[0]
-            _mine.append(BackendSpec(name, factory, config, doc, _origin.distribution, _origin.version, _origin.plugin))
+            _mine.append(
+                BackendSpec(name, factory, config, doc, _origin.distribution, _origin.version, _origin.plugin, reference)
+            )
 
         try:
             impl.function(register=register)
@@ -213,57 +216,92 @@ def _collect(state: _State) -> None:
             state.failures.append(PluginFailure(origin.plugin, origin.distribution, f"policy registration failed: {_describe(exc)}"))
 
 
-def _get_state() -> _State:
-    global _state
-    if _state is None:
-        with _lock:
-            if _state is None:
-                _state = _load()
-    return _state
+class PluginRegistry:
+    """Backends and eviction policies found through the ``kvcore`` entry points, loaded on first use.
+
+    ``kvcore.available_backends()`` and friends read the default registry; a test
+    (or a host that wants its own view) builds another and calls ``reset()`` to
+    load again after changing the environment.
+    """
+
+    def __init__(self) -> None:
+        self._state: _State | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> _State:
+        if self._state is None:
+            with self._lock:
+                if self._state is None:
+                    self._state = _load()
+        return self._state
+
+    def reset(self) -> None:
+        """Forget what was loaded; the next lookup loads again."""
+        with self._lock:
+            self._state = None
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        return self._get().pm
+
+    def backends(self) -> dict[str, BackendSpec]:
+        return dict(sorted(self._get().backends.items()))
+
+    def failures(self) -> list[PluginFailure]:
+        return list(self._get().failures)
+
+    def backend(self, name: str) -> BackendSpec:
+        from kvcore.errors import BackendNotFound
+
+        state = self._get()
+        if name in state.conflicts:
+            raise BackendNotFound(state.conflicts[name])
+        try:
+            return state.backends[name]
+        except KeyError:
+            known = ", ".join(sorted(state.backends)) or "none"
+            raise BackendNotFound(f"unknown backend {name!r}; known backends: {known}") from None
+
+    def policies(self) -> dict[str, Callable[[], Any]]:
+        return {name: factory for name, (factory, _) in sorted(self._get().policies.items())}
+
+
+#: The registry the module-level functions read.
+registry = PluginRegistry()
 
 
 def reset_plugins() -> None:
     """Forget what was loaded; the next lookup loads again (tests, env changes)."""
-    global _state
-    with _lock:
-        _state = None
+    registry.reset()
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
-    return _get_state().pm
+    return registry.plugin_manager
 
 
 def available_backends() -> dict[str, BackendSpec]:
     """Every usable backend by name: factory, config model, description, distribution, version."""
-    return dict(sorted(_get_state().backends.items()))
+    return registry.backends()
 
 
 def plugin_failures() -> list[PluginFailure]:
-    return list(_get_state().failures)
+    return registry.failures()
 
 
 def get_backend(name: str) -> BackendSpec:
-    from kvcore.errors import BackendNotFound
-
-    state = _get_state()
-    if name in state.conflicts:
-        raise BackendNotFound(state.conflicts[name])
-    try:
-        return state.backends[name]
-    except KeyError:
-        known = ", ".join(sorted(state.backends)) or "none"
-        raise BackendNotFound(f"unknown backend {name!r}; known backends: {known}") from None
+    """The spec of backend ``name``; BackendNotFound lists the known ones."""
+    return registry.backend(name)
 
 
 def available_eviction_policies() -> list[str]:
-    return sorted(_get_state().policies)
+    return sorted(registry.policies())
 
 
 def get_eviction_policy(name: str) -> Callable[[], Any]:
     """The factory of eviction policy ``name``; ValueError lists the known ones."""
-    policies = _get_state().policies
+    policies = registry.policies()
     try:
-        return policies[name][0]
+        return policies[name]
     except KeyError:
         known = ", ".join(sorted(policies)) or "none (is kvcore-radix installed?)"
         raise ValueError(f"unknown eviction_policy {name!r}; known policies: {known}") from None

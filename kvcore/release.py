@@ -45,6 +45,7 @@ def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True) -
             f"request {req.rid!r}: kv_committed_len={kv.kv_committed_len} > kv_allocated_len={kv.kv_allocated_len}"
         )
     committed = kv.kv_committed_len
+    page_size = cache.page_size
     hook = cache.hook
     if hook is None:
         cache.cache_finished_req(req, is_insert)
@@ -56,7 +57,6 @@ def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True) -
     if not req.kv.is_held:
         return
     start = committed
-    page_size = cache.token_to_kv_pool_allocator.page_size
     if page_size > 1:
         # The committed partial page went back with the cache's tail free.
         start = ceil_align(start, page_size)
@@ -167,20 +167,9 @@ def free_swa_out_of_window_slots_batch(
 
 
 def free_window_slots(cache: BasePrefixCache, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-    """``free_swa_out_of_window_slots_batch`` with ``cache``'s own window, page size, pools and retain floors.
+    """Free what left the window for a decode batch with ``cache``'s own settings: ``cache.free_window_slots``.
 
-    ``pre_lens`` defaults to each record's allocated length.  Returns the number of
-    window positions released.
+    ``pre_lens`` defaults to each record's allocated length; a cache without a
+    window frees nothing.  Returns the number of window positions released.
     """
-    if pre_lens is None:
-        pre_lens = [req.kv.kv_allocated_len for req in reqs]
-    return free_swa_out_of_window_slots_batch(
-        reqs,
-        pre_lens,
-        sliding_window_size=cache.sliding_window_size,
-        page_size=cache.page_size,
-        req_to_token_pool=cache.req_to_token_pool,
-        token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator,
-        is_chunk_cache=cache.is_chunk_cache(),
-        retain_floors=[cache.swa_retain_floor(req) for req in reqs],
-    )
+    return cache.free_window_slots(reqs, pre_lens)

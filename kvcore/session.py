@@ -10,7 +10,7 @@ slot and the request share one ``ReqKvInfo``; turns are append-only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from kvcore.record import ReqKvInfo, ceil_align, floor_align
 from kvcore.release import cache_unfinished_req as _dispatch_unfinished
 
 if TYPE_CHECKING:
+    from kvcore.pools.views import PoolView
     from kvcore.record import Req
 
 __all__ = ["SessionSlot", "StreamingSession", "SessionNode"]
@@ -97,10 +98,6 @@ class StreamingSession(BasePrefixCache):
     @property
     def page_size(self) -> int:
         return self.inner.page_size
-
-    @property
-    def insert_frees_duplicates(self) -> bool:
-        return self.inner.insert_frees_duplicates
 
     def __getattr__(self, name: str):
         # Backend-specific attributes (sliding_window_size, ...) read through.
@@ -183,12 +180,6 @@ class StreamingSession(BasePrefixCache):
             for s in self._idle_slots(active_pool_idxs)
         )
 
-    def session_held_swa_tokens(self, active_pool_idxs: set[int] | None = None) -> int:
-        return sum(
-            ceil_align(s.kv.kv_allocated_len, self.page_size) - max(s.kv.cache_protected_len, s.kv.swa_evicted_seqlen)
-            for s in self._idle_slots(active_pool_idxs)
-        )
-
     def _idle_slots(self, active_pool_idxs: set[int] | None) -> Iterator[SessionSlot]:
         for s in self.slots.values():
             if s.kv.is_held and not (active_pool_idxs and s.kv.req_pool_idx in active_pool_idxs):
@@ -263,14 +254,17 @@ class StreamingSession(BasePrefixCache):
     def is_chunk_cache(self) -> bool:
         return self.inner.is_chunk_cache()
 
-    def supports_swa(self) -> bool:
-        return self.inner.supports_swa()
+    def make_room(self, num_tokens: int) -> EvictResult:
+        return self.inner.make_room(num_tokens)
 
-    def swa_retain_floor(self, req: Req) -> int | None:
-        return self.inner.swa_retain_floor(req)
+    def pools(self) -> list[PoolView]:
+        return self.inner.pools()
 
     def cached_sizes(self) -> dict[str, tuple[int, int]]:
         return self.inner.cached_sizes()
+
+    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
+        return self.inner.free_window_slots(reqs, pre_lens)
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
         return self.inner.iter_owned_slots()

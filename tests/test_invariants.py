@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcore import InvariantChecker, InvariantViolation, Req, create_cache
+from kvcore import InvariantChecker, InvariantViolation, PoolView, Req, create_cache
 
 
 def cache_with_request(page_size=1, n=6):
@@ -64,6 +64,9 @@ class _DoubleFreeView:
 
     def available_size(self):
         return self._inner.available_size() + 1
+
+    def pool_views(self):
+        return [PoolView("full", self)]
 
 
 def test_double_free_is_named():

@@ -6,7 +6,9 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TokenToKVPoolAllocator"]
+from kvcore.pools.views import PoolView
+
+__all__ = ["TokenToKVPoolAllocator", "split_row_segments", "trim_row_segments"]
 
 Lens = torch.Tensor | Sequence[int]
 
@@ -35,6 +37,31 @@ def trim_row_segments(segments: Sequence[tuple[torch.Tensor, int]], page_size: i
         if slots.numel():
             pieces.append((slots, start))
     return pieces
+
+
+def split_row_segments(
+    segments: Sequence[tuple[torch.Tensor, int]], *, dead_lo: int, dead_hi: int
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, int]]]:
+    """Split ascending ``(slots, start_pos)`` pieces of one row at ``[dead_lo, dead_hi)``.
+
+    Returns the slots inside that range (window-freed while decoding: only their
+    full side is still held) and the ``(slots, start_pos)`` pieces outside it.
+    """
+    dead: list[torch.Tensor] = []
+    alive: list[tuple[torch.Tensor, int]] = []
+    for slots, start in segments:
+        n = slots.numel()
+        if n == 0:
+            continue
+        lo = min(max(dead_lo - start, 0), n)
+        hi = min(max(dead_hi - start, lo), n)
+        if lo:
+            alive.append((slots[:lo], start))
+        if hi > lo:
+            dead.append(slots[lo:hi])
+        if hi < n:
+            alive.append((slots[hi:], start + hi))
+    return dead, alive
 
 
 class TokenToKVPoolAllocator:
@@ -261,6 +288,26 @@ class TokenToKVPoolAllocator:
         self._checked_page_ids(torch.cat(pages), commit=True)
         for pg in pages:
             self._push(pg)
+
+    def free_row_segments(
+        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
+    ) -> None:
+        """Free ascending ``(slots, start_pos)`` pieces of one request's row, in SGLang's page order.
+
+        This pool has no window side, so no piece may lie in ``[swa_dead_lo, swa_evicted_seqlen)``.
+        """
+        dead, alive = split_row_segments(segments, dead_lo=swa_dead_lo, dead_hi=swa_evicted_seqlen)
+        if dead:
+            raise ValueError(
+                f"row positions in [{swa_dead_lo}, {swa_evicted_seqlen}) were window-evicted, "
+                f"but {type(self).__name__} has no window pool"
+            )
+        if alive:
+            self.free_segments(alive)
+
+    def pool_views(self) -> list[PoolView]:
+        """This allocator is one pool: ``full``."""
+        return [PoolView("full", self)]
 
     def free_group_begin(self) -> None:
         self._group = []

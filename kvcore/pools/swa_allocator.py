@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
-from kvcore.pools.allocator import Lens, TokenToKVPoolAllocator, _cpu_lens, trim_row_segments
+from kvcore.pools.allocator import Lens, TokenToKVPoolAllocator, _cpu_lens, split_row_segments, trim_row_segments
+from kvcore.pools.views import PoolView
 
 __all__ = ["SWATokenToKVPoolAllocator"]
 
@@ -148,6 +149,33 @@ class SWATokenToKVPoolAllocator:
             full._checked_pages(torch.cat([slots for slots, _ in pieces]))
         for slots, _ in pieces:
             self.free(slots)
+
+    def free_row_segments(
+        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
+    ) -> None:
+        """Free ascending ``(slots, start_pos)`` pieces of one request's row.
+
+        Positions in ``[swa_dead_lo, swa_evicted_seqlen)`` lost their window side
+        while decoding, so only the full side goes back there; elsewhere both do,
+        piece by piece in row order (SGLang's page order, so later allocations match).
+        Positions below ``swa_dead_lo`` (a prefix the floor kept out of window
+        eviction) still hold their window slots.
+        """
+        dead, alive = split_row_segments(segments, dead_lo=swa_dead_lo, dead_hi=swa_evicted_seqlen)
+        if dead:
+            if alive and swa_evicted_seqlen % self.page_size:
+                # A page shared by the dead and alive sides would go back twice.
+                raise ValueError(f"window cursor {swa_evicted_seqlen} splits a page (page_size {self.page_size})")
+            self.free_full(dead[0] if len(dead) == 1 else torch.cat(dead))
+        if alive:
+            self.free_segments(alive)
+
+    def pool_views(self) -> list[PoolView]:
+        """Two pools: ``full``, and ``swa`` (the window side, reached through the full-to-window map)."""
+        return [
+            PoolView("full", self.full_attn_allocator),
+            PoolView("swa", self.swa_attn_allocator, translate=self.translate_loc_from_full_to_swa, windowed=True),
+        ]
 
     def free_full(self, free_index: Any) -> None:
         """Full side only: the caller already released the window side."""
