@@ -1,10 +1,16 @@
 """The hooks kvcore calls, and the markers plugins use to implement them.
 
 Discovery hooks run once, when the plugin manager loads; ``kvcore_cache_created``
-runs once per built cache; the two lifecycle hooks run once per finished request
-and once per prefill chunk.  Nothing per token goes through pluggy: a hook call
-costs about 1.5-2 µs, so match, insert, evict, locks and allocation are plain
-method calls on the backend.
+runs once per built cache; the two lifecycle hooks (SGLang's names) run once per
+finished request and once per prefill chunk.
+
+Why nothing per token goes through pluggy: a hook call costs about 1.5-2 µs on
+the machines we measure on, more than a whole ``match_prefix`` of a short key.
+A scheduler step calls match, insert, evict, lock refs and allocation many
+times per request, so those are plain method calls on the backend, and the
+pools are plain objects; pluggy is kept for discovery and for the two
+per-request lifecycle calls that extensions (metrics, KV events, write-through
+to another tier) need to wrap.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ __all__ = ["hookspec", "hookimpl", "PROJECT_NAME", "CacheLifecycleSpec"]
 
 @hookspec
 def kvcore_register_backends(register: Callable[..., None]) -> None:
-    """Register cache backends by calling ``register(name, factory, config=..., description=...)``.
+    """Register cache backends: ``register(name, factory, config=..., description=..., reference=None)``.
 
     ``factory(params)`` receives a :class:`kvcore.CacheInitParams` and returns a
     :class:`kvcore.BasePrefixCache`; ``config`` is the pydantic model of the
-    backend's options (default :class:`kvcore.CacheConfig`).  Every implementation
-    is called; the return value is ignored.
+    backend's options (default :class:`kvcore.CacheConfig`); ``reference`` names
+    the backend that ``kvcore bench`` compares this one against (default
+    ``radix``).  A name registered by two distributions is refused, naming both.
+    Every implementation is called; the return value is ignored.
     """
 
 
@@ -64,8 +72,16 @@ class CacheLifecycleSpec:
 
     @hookspec(firstresult=True)
     def cache_finished_req(self, req: Req, is_insert: bool) -> Any:
-        """Hand a finished request's KV to the cache.  The backend answers; first result wins."""
+        """Hand a finished request's KV to the cache (once per finished request).
+
+        The backend is the implementation that answers and returns True; wrappers
+        see the call around it.  firstresult: the first result wins.
+        """
 
     @hookspec(firstresult=True)
     def cache_unfinished_req(self, req: Req, chunked: bool) -> Any:
-        """Cache a running request's committed prefix after a prefill chunk; first result wins."""
+        """Cache a running request's committed prefix (once per prefill chunk).
+
+        The backend is the implementation that answers and returns True; wrappers
+        see the call around it.  firstresult: the first result wins.
+        """

@@ -13,6 +13,7 @@ import pytest
 import kvcore
 from kvcore import BackendNotFound, ConfigError, available_backends, create_cache, hookimpl, plugin_failures
 from kvcore.plugins import BLOCK_ENV, DISABLE_AUTOLOAD_ENV, get_backend, get_plugin_manager
+from kvcore.testing.distributions import make_dist
 
 TOY = '''
 import kvcore
@@ -27,15 +28,6 @@ class ToyConfig(kvcore.CacheConfig):
 def kvcore_register_backends(register):
     register("{name}", ToyCache, config=ToyConfig, description="{description}")
 '''
-
-
-def make_dist(root: Path, dist: str, module: str, source: str, version: str = "1.0") -> None:
-    """A minimal installed distribution: its module and a *.dist-info with entry_points.txt."""
-    (root / f"{module}.py").write_text(textwrap.dedent(source))
-    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    (info / "entry_points.txt").write_text(f"[kvcore]\n{module} = {module}\n")
 
 
 def run_kvcore(args, path: Path, env_extra=None):
@@ -121,7 +113,8 @@ def test_duplicate_backend_name_names_both_distributions(tmp_path):
 # -- in-process ---------------------------------------------------------------------
 
 
-def test_builtin_chunk_registers_through_the_hook():
+def test_hook_kvcore_register_backends():
+    """The built-in chunk backend registers through the same hook as third parties."""
     spec = available_backends()["chunk"]
     assert spec.factory is kvcore.ChunkCache and spec.config is kvcore.CacheConfig
     assert spec.distribution == "kvcore"
@@ -159,7 +152,8 @@ def test_absent_devices_are_clear_errors():
             create_cache("chunk", device="cuda")
 
 
-def test_cache_created_hook_lets_extensions_wrap_every_cache():
+def test_hook_kvcore_cache_created():
+    """Extensions see every built cache and can wrap it."""
     seen = []
 
     class Extension:
@@ -170,6 +164,30 @@ def test_cache_created_hook_lets_extensions_wrap_every_cache():
     get_plugin_manager().register(Extension(), name="ext")
     cache = create_cache("chunk", size=8, max_num_reqs=1, max_context_len=8)
     assert seen == ["chunk"] and isinstance(cache.plugin_manager, pluggy.PluginManager)
+
+
+def test_hook_cache_unfinished_req():
+    """A wrapper on a cache's own plugin manager sees each prefill chunk once; the backend answers."""
+    from kvcore.testing import admit, finish, make_req, prefill
+
+    cache = create_cache("chunk", size=16, max_num_reqs=2, max_context_len=16)
+    seen = []
+
+    class Chunks:
+        @hookimpl(wrapper=True)
+        def cache_unfinished_req(self, req, chunked):
+            result = yield
+            seen.append((req.rid, req.kv.kv_committed_len, chunked, result))
+            return result
+
+    cache.plugin_manager.register(Chunks())
+    cache.plugin_manager.check_pending()
+    req = make_req("c", list(range(10)))
+    assert admit(cache, req)
+    assert prefill(cache, req, upto=4) and prefill(cache, req, upto=8)
+    assert seen == [("c", 4, True, True), ("c", 8, True, True)]
+    finish(cache, req)
+    kvcore.InvariantChecker(cache).check([req])
 
 
 def test_each_cache_has_its_own_lifecycle_manager():
@@ -213,7 +231,8 @@ def kvcore_register_eviction_policies(register):
 '''
 
 
-def test_a_plugin_registers_an_eviction_policy_for_tree_backends(tmp_path):
+def test_hook_kvcore_register_eviction_policies(tmp_path):
+    """A plugin registers an eviction policy that a tree backend then uses."""
     pytest.importorskip("kvcore_radix")
     make_dist(tmp_path, "newest-policy", "newest_policy", POLICY)
     script = textwrap.dedent('''

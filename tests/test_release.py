@@ -80,7 +80,8 @@ def test_release_asserts_held_iff_not_released():
         release_kv_cache(req, cache)
 
 
-def test_lifecycle_wrappers_see_each_finish_once():
+def test_hook_cache_finished_req():
+    """Lifecycle wrappers see each finish once, around the backend's answer."""
     from kvcore import hookimpl
 
     cache = create_cache("chunk", size=16, max_num_reqs=2, max_context_len=16)
