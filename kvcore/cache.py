@@ -94,7 +94,8 @@ class BasePrefixCache(ABC):
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool_allocator: TokenAllocator
     page_size: int
-    # Set by create_cache: this cache's own plugin manager and its hook relay.
+    # Set by create_cache: the registered name, this cache's own plugin manager and its hook relay.
+    backend_name: str = ""
     plugin_manager: Any = None
     hook: Any = None
 

@@ -85,19 +85,10 @@ class StreamingSession(BasePrefixCache):
         self.inner = inner
         self.slots: dict[str, SessionSlot] = {}
         self.hook = None  # lifecycle calls reach the inner cache's own hook
-
-    # -- what the inner cache runs on ------------------------------------
-    @property
-    def req_to_token_pool(self):
-        return self.inner.req_to_token_pool
-
-    @property
-    def token_to_kv_pool_allocator(self):
-        return self.inner.token_to_kv_pool_allocator
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
+        # The inner cache's pools: a backend never swaps them after it is built.
+        self.req_to_token_pool = inner.req_to_token_pool
+        self.token_to_kv_pool_allocator = inner.token_to_kv_pool_allocator
+        self.page_size = inner.page_size
 
     def __getattr__(self, name: str):
         # Backend-specific attributes (sliding_window_size, ...) read through.
@@ -197,10 +188,9 @@ class StreamingSession(BasePrefixCache):
         if req.session_id is None:
             self._finish_inner(req, is_insert)
             return
-        slot = self.slots.get(req.session_id)
-        is_first = slot is None
-        if is_first:
-            slot = self.slots[req.session_id] = SessionSlot(req.session_id)
+        existing = self.slots.get(req.session_id)
+        is_first = existing is None
+        slot = self.slots[req.session_id] = existing or SessionSlot(req.session_id)
         kv = req.kv
         kv.kv_committed_len = min(req.seqlen, kv.kv_allocated_len)
         slot.save_from_req(req, is_first=is_first)
