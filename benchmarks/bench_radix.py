@@ -9,6 +9,12 @@ trace in the same process; the matched lengths must agree exactly.
 
     python benchmarks/bench_radix.py --sglang-src /tmp/sgl/src --page-sizes 1 16
     python benchmarks/bench_radix.py --json
+    python benchmarks/bench_radix.py --backend swa      # kvcore-swa's tree on the same trace
+
+With ``--backend swa`` the trace runs through kvcore-swa's ``SWARadixCache`` on
+real pools: every request's slots are allocated before the clock starts; each
+request matches and inserts (the tree frees the duplicates itself, as SGLang's
+SWA tree does); no SGLang comparison.
 
 SGLang is imported from ``--sglang-src`` when given; modules it needs that are
 missing here (metrics, kernels, KV-event transport) are replaced by stubs from
@@ -29,7 +35,6 @@ import time
 from array import array
 
 import torch
-
 
 # --------------------------------------------------------------------------- trace
 
@@ -55,7 +60,6 @@ def make_values(trace, req_len: int):
 def run_ours(trace, values, page_size: int, policy: str, key_validation: str = "full"):
     from kvcore.config import CacheInitParams
     from kvcore.keys import RadixKey
-
     from kvcore_radix import RadixCache, RadixConfig
 
     config = RadixConfig(size=page_size * 1024, page_size=page_size, max_num_reqs=1,
@@ -72,6 +76,36 @@ def run_ours(trace, values, page_size: int, policy: str, key_validation: str = "
         m = match(key)
         matched[i] = m.device_indices.shape[0]
         insert(key, values[i])
+    elapsed = time.perf_counter() - t0
+    return elapsed, matched, cache.total_size()
+
+
+def run_ours_swa(trace, values, page_size: int, policy: str, key_validation: str = "full", window: int = 128):
+    """kvcore-swa's tree: match + insert per request (the insert frees the duplicates)."""
+    from kvcore.config import CacheInitParams
+    from kvcore.keys import RadixKey
+    from kvcore_swa import SWAConfig, SWARadixCache
+
+    del values, key_validation  # real slots come from the pools; keys are always checked
+    req_len = len(trace[0])
+    size = -(-(len(trace) * req_len + page_size) // page_size) * page_size
+    config = SWAConfig(size=size, swa_size=size, sliding_window_size=window, page_size=page_size,
+                       max_num_reqs=1, max_context_len=-(-req_len // page_size) * page_size,
+                       eviction_policy=policy)
+    cache = SWARadixCache(CacheInitParams.from_config(config))
+    alloc = cache.token_to_kv_pool_allocator.alloc
+    match, insert = cache.match_prefix, cache.insert
+    matched = [0] * len(trace)
+    need = -(-req_len // page_size) * page_size
+    # Every request's slots up front: the loop times the tree (and the frees it does), not allocation.
+    slots = [alloc(need)[: len(ids)] for ids in trace]
+    gc.collect()
+    t0 = time.perf_counter()
+    for i, ids in enumerate(trace):
+        key = RadixKey(ids)
+        m = match(key)
+        matched[i] = m.device_indices.shape[0]
+        insert(key, slots[i])
     elapsed = time.perf_counter() - t0
     return elapsed, matched, cache.total_size()
 
@@ -133,6 +167,8 @@ def run_sglang(mod, trace, values, page_size: int, policy: str, key_type: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=["radix", "swa"], default="radix",
+                    help="kvcore backend to time (swa: no SGLang comparison)")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--req-len", type=int, default=512)
     ap.add_argument("--num-prompts", type=int, default=10)
@@ -156,6 +192,9 @@ def main(argv=None) -> int:
     values = make_values(trace, args.req_len)
     tokens = args.requests * args.req_len
 
+    if args.backend == "swa":
+        args.no_sglang = True
+    run = run_ours_swa if args.backend == "swa" else run_ours
     sgl, how = (None, "disabled") if args.no_sglang else import_sglang(args.sglang_src)
     rows = []
     ok = True
@@ -163,7 +202,7 @@ def main(argv=None) -> int:
         # Interleave the two caches and keep each one's best run: this box is shared and noisy.
         best = sbest = None
         for _ in range(args.repeat):
-            r = run_ours(trace, values, ps, args.policy, args.key_validation)
+            r = run(trace, values, ps, args.policy, args.key_validation)
             best = r if best is None or r[0] < best[0] else best
             if sgl is not None:
                 r = run_sglang(sgl, trace, values, ps, args.policy, args.sglang_key_type)
@@ -188,15 +227,18 @@ def main(argv=None) -> int:
         rows.append(row)
 
     result = {
-        "trace": {k: getattr(args, k) for k in ("requests", "req_len", "num_prompts", "prompt_len", "vocab", "seed", "policy", "key_validation")},
+        "backend": args.backend,
+        "trace": {k: getattr(args, k) for k in ("requests", "req_len", "num_prompts", "prompt_len", "vocab", "seed",
+                                                "policy", "key_validation")},
         "sglang": how,
         "rows": rows,
     }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"trace: {args.requests} requests x {args.req_len} tokens, {args.num_prompts} shared "
-              f"{args.prompt_len}-token prompts, seed {args.seed}, policy {args.policy}, key_validation {args.key_validation}; SGLang: {how}")
+        print(f"backend {args.backend}; trace: {args.requests} requests x {args.req_len} tokens, "
+              f"{args.num_prompts} shared {args.prompt_len}-token prompts, seed {args.seed}, policy {args.policy}, "
+              f"key_validation {args.key_validation}; SGLang: {how}")
         hdr = f"{'page':>5} {'ours req/s':>11} {'ours ns/tok':>12}"
         if sgl is not None:
             hdr += f" {'sglang req/s':>13} {'sglang ns/tok':>14} {'speedup':>8} {'same match':>10}"

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """How much KV memory does sliding-window attention save?  A long-decode workload.
 
-Drives the ``swa`` backend through kvcore's engine protocol (admit: match + lock +
-row; prefill; batched decode with one slot per running request per step and
-``kvcore.free_swa_out_of_window_slots`` for every request after every step;
-finish: ``kvcore.release_kv_cache``), and the same workload under ``radix``
-(full attention only) for comparison.  Requests arrive one per step (continuous
+Drives the ``swa`` backend through ``kvcore.engine.Engine`` (admit: match + lock +
+row; prefill; batched decode with one slot per running request per step, then
+one window free for the whole batch, ``cache.free_window_slots``; finish:
+``kvcore.release_kv_cache``), and the same workload under ``radix`` (full
+attention only) for comparison.  Requests arrive one per step (continuous
 batching), so at most one request at a time holds a whole prompt in the window
 pool.
 
@@ -28,10 +28,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 import kvcore
-from kvcore import InvariantChecker, RadixKey, Req
+from kvcore import Req
+from kvcore.engine import Engine
 from kvcore.record import ceil_align
 
 
@@ -58,23 +57,6 @@ class RunResult:
     leak_check: str = "not run"
 
 
-class _FreeSwaBatch:
-    """Stands in for the allocator inside ``free_swa_out_of_window_slots``: collects the
-    window frees of one decode step and hands them to the real allocator in one call."""
-
-    def __init__(self, alloc):
-        self.alloc = alloc
-        self.pending: list[torch.Tensor] = []
-
-    def free_swa(self, slots: torch.Tensor) -> None:
-        self.pending.append(slots.to(torch.int64, copy=True))
-
-    def flush(self) -> None:
-        if self.pending:
-            pending, self.pending = self.pending, []
-            self.alloc.free_swa(pending[0] if len(pending) == 1 else torch.cat(pending))
-
-
 def _build(backend: str, args, page_size: int):
     r, pl, dl, w = args.requests, args.prompt, args.decode, args.window
     width = ceil_align(pl + dl + page_size, page_size)
@@ -93,81 +75,42 @@ def _build(backend: str, args, page_size: int):
 
 def run(backend: str, page_size: int, args) -> RunResult:
     cache, full_pool, swa_pool = _build(backend, args, page_size)
-    is_swa = cache.supports_swa()
-    alloc = cache.token_to_kv_pool_allocator
-    r2t = cache.req_to_token_pool.req_to_token
+    evictions = [0]
+
+    def on_evict(_result) -> None:
+        evictions[0] += 1
+
+    # Prompts go into the tree at finish (not when prefill completes), so the window
+    # pool holds only what the running requests hold: the quantity measured here.
+    engine = Engine(cache, cache_prompt=False, release_idle_sessions=False, on_evict=on_evict)
+    views = cache.pools()
+    full_view = views[0]
+    windowed = [v for v in views if v.windowed]
+    window_view = windowed[0] if windowed else None
+    is_swa = window_view is not None
     ps = page_size
     w = args.window
     res = RunResult(backend, ps, args.requests, args.prompt, args.decode, w if is_swa else None, full_pool, swa_pool)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt)] for _ in range(args.requests)]
-    full_avail = alloc.full_available_size if is_swa else alloc.available_size
-    swa_avail = alloc.swa_available_size if is_swa else None
-    size_full = alloc.size_full if is_swa else alloc.size
-    size_swa = alloc.size_swa if is_swa else None
-    swa_tree = getattr(cache, "swa_total_size", lambda: 0)
-    is_chunk = cache.is_chunk_cache()
-    retain = cache.swa_retain_floor
-    free_window = kvcore.free_swa_out_of_window_slots
-    checker = InvariantChecker(cache)
+    size_full = full_view.capacity
+    size_swa = window_view.capacity if is_swa else None
+    alloc = cache.token_to_kv_pool_allocator
 
-    def evict_for(n_full: int, n_swa: int) -> None:
-        if is_swa:
-            need_full = max(0, n_full - alloc.full_available_size())
-            need_swa = max(0, n_swa - alloc.swa_available_size())
-            cache.evict(need_full, need_swa)
-        else:
-            cache.evict(max(0, n_full - alloc.available_size()))
-        res.evictions += 1
-
-    # The window frees of one step are gathered and given to the allocator at once, as
-    # SGLang's free_group_begin/end does; kvcore's free group still validates every call,
-    # so the batching is done here (--no-batch-free: one allocator call per request).
-    batch = _FreeSwaBatch(alloc) if is_swa and args.batch_free else None
-    window_alloc = batch if batch is not None else alloc
-
-    def window_step(req: Req) -> None:
-        res.free_swa_calls += 1
-        free_window(
-            req,
-            req.kv.kv_allocated_len,
-            sliding_window_size=w,
-            page_size=ps,
-            req_to_token_pool=cache.req_to_token_pool,
-            token_to_kv_pool_allocator=window_alloc,
-            is_chunk_cache=is_chunk,
-            retain_floor=retain(req),
-        )
+    def tree_window_slots() -> int:
+        if window_view is None:
+            return 0
+        return sum(cache.cached_sizes().get(window_view.name, (0, 0)))
 
     def admit(i: int) -> Req:
         req = Req(f"r{i}", prompts[i])
-        m = cache.match_prefix(RadixKey(req.origin_input_ids, req.extra_key))
-        n = m.prefix_len
-        req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
-        req.kv.cache_protected_len = n
-        req.lock = cache.inc_lock_ref(req.last_node)
-        if cache.req_to_token_pool.alloc([req]) is None:
+        # The whole prompt is the key; it is computed in one chunk.
+        if not engine.admit(req, max_prefix_len=args.prompt):
             raise RuntimeError("out of req_to_token rows")
-        row = req.kv.req_pool_idx
-        if n:
-            r2t[row, :n] = m.device_indices.to(torch.int32)
-        end = args.prompt
-        need = ceil_align(end, ps) - ceil_align(n, ps) if ps > 1 else end - n
-        for attempt in range(2):
-            if ps == 1:
-                slots = alloc.alloc(end - n)
-            else:
-                last = int(r2t[row, n - 1]) if n else -1
-                slots = alloc.alloc_extend([n], [n], [end], [end], [last], end - n)
-            if slots is not None:
-                break
-            evict_for(need, need)
-        if slots is None:
+        # A chunk cache frees its window before each later prefill chunk (SGLang, done by
+        # Engine.extend); a one-chunk prompt leaves the window free to the first decode step.
+        if not engine.extend(req):
             raise RuntimeError(f"{backend}: cannot allocate the prompt of r{i}")
-        r2t[row, n:end] = slots.to(torch.int32)
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        if is_swa and is_chunk:
-            window_step(req)  # a chunk cache frees the window during prefill too (SGLang)
         return req
 
     running: list[Req] = []
@@ -178,58 +121,41 @@ def run(backend: str, page_size: int, args) -> RunResult:
         if admitted < args.requests:
             running.append(admit(admitted))
             admitted += 1
-        # ---- one batched decode step: a slot for every running request
-        b = len(running)
-        rows = torch.tensor([q.kv.req_pool_idx for q in running], dtype=torch.int64)
-        lens = torch.tensor([q.kv.kv_allocated_len for q in running], dtype=torch.int64)
-        slots = None
-        for attempt in range(2):
-            if ps == 1:
-                slots = alloc.alloc(b)
-            else:
-                last_loc = r2t[rows, lens - 1].to(torch.int64)
-                slots = alloc.alloc_decode(lens + 1, lens + 1, last_loc)
-            if slots is not None:
-                break
-            evict_for(b * ps, b * ps)
-        if slots is None:
-            raise RuntimeError(f"{backend}: out of memory at decode step {step}")
-        r2t[rows, lens] = slots.to(torch.int32)
+        # ---- one batched decode step: a slot for every running request (the window free comes after
+        # the occupancy sample, so the peak counts the step's slots with nothing freed yet)
         tok = step % args.vocab
-        for q in running:
-            q.output_ids.append(tok)
-            kv = q.kv
-            kv.kv_allocated_len += 1
-            kv.kv_committed_len += 1
+        if not engine.decode(running, [tok] * len(running), free_window=False):
+            raise RuntimeError(f"{backend}: out of memory at decode step {step}")
         step += 1
         # ---- occupancy at its highest: the step's slots are allocated, nothing freed yet
-        used_full = size_full - full_avail()
+        used_full = size_full - full_view.available()
         if used_full > res.peak_full:
             res.peak_full = used_full
         if is_swa:
-            used_swa = size_swa - swa_avail()
+            used_swa = size_swa - window_view.available()
             if res.peak_swa is None or used_swa > res.peak_swa:
-                res.peak_swa, res.peak_step, res.tree_swa_at_peak = used_swa, step, swa_tree()
-            # ---- the window moved: free what left it (one free group per step, as SGLang)
-            if batch is None:
-                alloc.free_group_begin()
-            for q in running:
-                window_step(q)
-            if batch is None:
-                alloc.free_group_end()
+                res.peak_swa, res.peak_step, res.tree_swa_at_peak = used_swa, step, tree_window_slots()
+            # ---- the window moved: free what left it, one allocator free for the step (as SGLang's free group)
+            res.free_swa_calls += len(running)
+            if args.batch_free:
+                engine.free_window(running)
             else:
-                batch.flush()
+                alloc.free_group_begin()
+                for q in running:
+                    engine.free_window([q])
+                alloc.free_group_end()
         if args.check_every and step % args.check_every == 0:
-            checker.check(owners=running)
+            engine.check(running)
         # ---- finish
         done = [q for q in running if len(q.output_ids) >= args.decode]
         if done:
             for q in done:
                 running.remove(q)
-                kvcore.release_kv_cache(q, cache)
+                engine.finish(q)
     res.seconds = time.perf_counter() - t0
     res.steps = step
-    checker.check(owners=[])
+    res.evictions = evictions[0]
+    engine.check([])
     res.leak_check = "ok"
     if is_swa:
         res.bound_swa = args.requests * (w + 2 * ps) + (res.tree_swa_at_peak or 0)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 
-__all__ = ["RadixKey", "KeyLike", "as_radix_key"]
+__all__ = ["RadixKey", "KeyLike", "as_radix_key", "check_token_ids", "checked_key"]
 
 
 class RadixKey:
@@ -56,7 +55,7 @@ class RadixKey:
         return f"RadixKey({ids}, extra_key={self.extra_key!r})"
 
 
-KeyLike = Union[RadixKey, Sequence[int], torch.Tensor]
+KeyLike = RadixKey | Sequence[int] | torch.Tensor
 
 
 def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
@@ -74,7 +73,9 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
         result = RadixKey(ids)
     elif isinstance(key, torch.Tensor):
         if key.dim() != 1 or key.is_floating_point() or key.is_complex():
-            raise TypeError(f"a tensor key must be a 1-D integer tensor, got shape {tuple(key.shape)} dtype {key.dtype}")
+            raise TypeError(
+                f"a tensor key must be a 1-D integer tensor, got shape {tuple(key.shape)} dtype {key.dtype}"
+            )
         ids = key.tolist()
         result = RadixKey(ids)
     elif isinstance(key, (list, tuple, range)):
@@ -86,22 +87,44 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
         )
     if validate and not result.validated:
         if ids:
-            _check_token_ids(ids)
+            check_token_ids(ids)
         result.validated = True
     return result
 
 
-def _check_token_ids(ids) -> None:
-    # array("Q") converts in C and refuses floats, strings and negative numbers in one pass,
-    # so the scheduler's hot path pays no per-token Python loop for validation.
+def check_token_ids(ids: list, start: int = 0) -> None:
+    """Raise unless ``ids[start:]`` are non-negative ints below 2**64: the one token-id check.
+
+    ``array("Q", ...)`` converts in C and refuses floats, strings, negative and
+    too-large numbers in one pass, so a valid key costs no per-token Python loop;
+    only a refused key is walked again to name the first bad id:
+
+    * ``TypeError("token ids must be ints, got float (1.5)")``
+    * ``ValueError("token ids must be non-negative, got -1")``
+    * ``ValueError("token id 18446744073709551616 does not fit in 64 bits")``
+    """
+    if start >= len(ids):
+        return
+    rest = ids[start:] if start else ids
     try:
-        array("Q", ids)
-    except (TypeError, OverflowError):
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})") from None
-            if t < 0:
-                raise ValueError(f"token ids must be non-negative, got {t}") from None
-            if t >= 1 << 64:
-                raise ValueError(f"token id {t} does not fit in 64 bits") from None
-        raise
+        array("Q", rest)
+        return
+    except (TypeError, OverflowError, ValueError) as exc:
+        error = exc
+    for t in rest:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})") from None
+        if t < 0:
+            raise ValueError(f"token ids must be non-negative, got {t}") from None
+        if t >= 1 << 64:
+            raise ValueError(f"token id {t} does not fit in 64 bits") from None
+    raise TypeError(f"token ids must be non-negative ints below 2**64 ({error})") from None
+
+
+def checked_key(key: KeyLike) -> RadixKey:
+    """``as_radix_key(key)``: a RadixKey whose ids are checked (once: the key remembers it)."""
+    rk = as_radix_key(key, validate=False)
+    if not rk.validated:
+        check_token_ids(rk.token_ids)
+        rk.validated = True
+    return rk

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 import kvcore
 from kvcore.bench import run_bench
 from kvcore.bench.trace import generate_sample_trace, load_trace, sample_trace_path
-from kvcore.bench.workloads import WORKLOADS, make_workload
+from kvcore.bench.workloads import WORKLOADS, make_workload, workloads_table
 from kvcore.cli import app
 
 INSTALLED = [b for b in ("chunk", "radix", "swa", "swa-chunk") if b in kvcore.available_backends()]
-WORKLOAD_NAMES = [*WORKLOADS, "trace"]
+WORKLOAD_NAMES = list(WORKLOADS)
 # Small pools so eviction, retraction and session release all happen in a fraction of a second.
 SMALL = dict(size=8192, max_num_reqs=24, chunk_size=512, window=64, swa_interval=8)
 SCHEMA_KEYS = [
@@ -50,8 +50,16 @@ def test_every_workload_runs_without_leaks(backend, workload):
     assert 0.0 <= rep["hit_rate"] <= rep["infinite_cache_hit_rate"] + 1e-9 <= 1.0 + 1e-9
     if backend in ("chunk", "swa-chunk") and workload != "multi-turn":
         assert rep["cached_tokens"] == 0
+    pools = {p["name"]: p for p in rep["pools"]}
     if kvcore.available_backends()[backend].config.model_fields.get("sliding_window_size"):
-        assert set(rep["pools"]) == {"full", "swa"}
+        assert list(pools) == ["full", "swa"]
+        assert rep["window_per_request_peak"] is not None and rep["window_bound"] == SMALL["window"] + 2 * page
+    else:
+        assert list(pools) == ["full"] and rep["window_per_request_peak"] is None
+    for p in pools.values():
+        assert p["leaked"] == 0
+        assert p["available"] + p["evictable"] + p["protected"] == p["capacity"]
+        assert p["peak"] <= p["peak_occupied"] <= p["capacity"]
 
 
 def test_pressure_retracts_and_evicts_without_leaks():
@@ -130,15 +138,16 @@ def _json(args):
 
 
 def test_cli_json_schema_single_backend():
-    rep = _json(["--backend", "chunk", "-w", "no-reuse", "-n", "12", "--size", "8192"])
+    rep = _json(["--backend", "chunk", "-w", "no-reuse", "-n", "12", "--size", "8192", "--no-reference"])
     assert isinstance(rep, dict)
     for key in SCHEMA_KEYS:
         assert key in rep, key
-    assert list(rep)[:2] == ["schema_version", "backend"]
+    assert list(rep)[:2] == ["schema_version", "backend"] and rep["schema_version"] == 2
     assert rep["backend"] == "chunk" and rep["device"] == "cpu" and rep["workload"] == "no-reuse"
     assert len(rep["workload_digest"]) == 64
-    assert set(rep["pools"]["full"]) >= {"capacity", "peak"}
-    assert rep["pools"]["full"]["capacity"] == 8192
+    (full,) = rep["pools"]
+    assert set(full) >= {"name", "capacity", "available", "evictable", "protected", "leaked", "peak", "peak_occupied"}
+    assert full["name"] == "full" and full["capacity"] == 8192
     assert not any(k.startswith("_") for k in rep)
 
 
@@ -160,9 +169,66 @@ def test_cli_compare_gives_a_list_and_a_table():
 def test_swa_alone_also_runs_radix_for_reference():
     rep = _json(["--backend", "swa", "-w", "long-decode", "-n", "10", "--size", "16384"])
     assert rep["backend"] == "swa" and rep["reference"]["backend"] == "radix"
-    assert rep["pools"]["swa"]["peak"] < rep["pools"]["full"]["peak"]  # the window pays
+    pools = {p["name"]: p for p in rep["pools"]}
+    assert pools["swa"]["peak"] < pools["full"]["peak"]  # the window pays
     assert rep["reference"]["workload_digest"] == rep["workload_digest"]
     assert "reference" not in _json(["--backend", "swa", "-n", "5", "--no-reference"])
+
+
+@pytest.mark.skipif("swa" not in INSTALLED, reason="needs swa")
+def test_reference_option_overrides_the_spec():
+    rep = _json(["--backend", "swa", "-w", "zipf", "-n", "8", "--size", "8192", "--reference", "chunk"])
+    assert rep["backend"] == "swa" and rep["reference"]["backend"] == "chunk"
+    # A backend that is its own reference runs alone.
+    assert "reference" not in _json(["--backend", "chunk", "-n", "5", "--reference", "chunk"])
+
+
+def test_reference_defaults_to_the_spec_then_radix():
+    specs = kvcore.available_backends()
+    for name in INSTALLED:
+        ref = specs[name].reference or "radix"
+        rep = _json(["--backend", name, "-w", "no-reuse", "-n", "4", "--size", "8192"])
+        if ref != name and ref in specs:
+            assert rep["reference"]["backend"] == ref
+        else:
+            assert "reference" not in rep
+
+
+def test_reference_leads_a_comparison():
+    names = ",".join(INSTALLED[:2])
+    reps = _json(["--compare", names, "--reference", "chunk", "-w", "zipf", "-n", "10", "--size", "8192"])
+    assert [r["backend"] for r in reps][0] == "chunk" and len(reps) == len(set(INSTALLED[:2]) | {"chunk"})
+    res = runner.invoke(app, ["bench", "--compare", names, "--reference", "chunk", "-n", "10", "--size", "8192"])
+    assert res.exit_code == 0 and "chunk (reference)" in res.stdout
+
+
+def test_one_workload_registry():
+    """The CLI help, the docs table, make_workload and kvcore.bench.WORKLOAD_NAMES all read WORKLOADS."""
+    import pathlib
+
+    import kvcore.bench
+
+    assert kvcore.bench.WORKLOAD_NAMES == tuple(WORKLOADS)
+    help_text = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "300"}).stdout
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "bench.md").read_text()
+    assert workloads_table() in docs  # regenerate the docs table from the registry when this fails
+    for name in WORKLOADS:
+        assert name in help_text
+        assert make_workload(name, num_requests=3).name == name
+    with pytest.raises(ValueError, match="choose one of: " + ", ".join(WORKLOADS)):
+        make_workload("bogus")
+
+
+def test_no_backend_name_in_the_loop():
+    """Pools by name: the loop, the metrics and the report never name a backend or a pool."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1] / "kvcore" / "bench"
+    for mod in ("loop.py", "metrics.py", "report.py", "plot.py", "kvwriter.py", "timer.py"):
+        text = (root / mod).read_text()
+        for word in ("self.swa", "supports_swa", "is_swa_backend", '"swa"', "'swa'", "full_available_size",
+                     "swa_available_size", "full_attn_allocator"):
+            assert word not in text, (mod, word)
 
 
 def test_cli_plot_writes_png(tmp_path):

@@ -328,7 +328,7 @@ class ReqPair:
         if n == 0:
             return True
         ps = P.ps
-        for attempt in range(2):
+        for _attempt in range(2):
             if ps == 1:
                 ss, os_ = P.s_alloc.alloc(n), P.o_alloc.alloc(n)
             else:
@@ -355,7 +355,7 @@ class ReqPair:
         s, o = self.s, self.o
         pre = s.kv.kv_committed_len
         ps = P.ps
-        for attempt in range(2):
+        for _attempt in range(2):
             if ps == 1:
                 ss, os_ = P.s_alloc.alloc(1), P.o_alloc.alloc(1)
             else:

@@ -173,7 +173,8 @@ class Diff:
         theirs_live = sorted((sm > 0).nonzero().flatten().tolist())
         if ours_live != theirs_live:
             self.fail(f"{what}: full slots with a window slot differ: ours-only="
-                      f"{sorted(set(ours_live) - set(theirs_live))} sglang-only={sorted(set(theirs_live) - set(ours_live))}")
+                      f"{sorted(set(ours_live) - set(theirs_live))} "
+                      f"sglang-only={sorted(set(theirs_live) - set(ours_live))}")
         if self.kind == "tree":
             co, ct = self._canon_ours(), self._canon_theirs()
             if co != ct:
@@ -286,10 +287,7 @@ class Diff:
 
     def _free_window(self, req: Req, sreq, pre_len: int) -> None:
         chunk = self.kind == "chunk"
-        kvcore.free_swa_out_of_window_slots(
-            req, pre_len, sliding_window_size=self.W, page_size=self.ps,
-            req_to_token_pool=self.ours.req_to_token_pool, token_to_kv_pool_allocator=self.oa,
-            is_chunk_cache=chunk, retain_floor=self.ours.swa_retain_floor(req))
+        self.ours.free_window_slots([req], [pre_len])
         self.sg.free_swa_out_of_window_slots(
             sreq, pre_len, sliding_window_size=self.W, page_size=self.ps,
             req_to_token_pool=self.srtp, token_to_kv_pool_allocator=self.sa,
@@ -387,7 +385,7 @@ class Diff:
     def _cmp_lock(self, what, onode, lock, snode, uuid) -> None:
         if self.kind != "tree":
             return
-        a = self._stop_path(onode, lock.swa_stop, self.ours.root_node, self.opath)
+        a = self._stop_path(onode, lock.stop, self.ours.root_node, self.opath)
         b = self._stop_path(snode, uuid, self.theirs.root_node, self.spath)
         self.eq(f"{what}: window lock stop", a, b)
 
@@ -484,7 +482,8 @@ class Diff:
                 self.evict(rng.choice([0, 1, ps, 3 * ps, 40]), rng.choice([0, 0, 1, ps, 2 * self.W, 40]))
             elif tree:
                 base = rng.choice(prompts)
-                key = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
+                head = base[: rng.randrange(1, len(base) + 1)]
+                key = head + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
                 n = len(key) // ps
                 self.insert(key, None, rng.choice([0, 0, rng.randrange(0, n + 1)]) if n else 0)
         # Drain: finish everything, give back held locks, evict everything.

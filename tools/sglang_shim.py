@@ -36,7 +36,8 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["load_sglang", "default_src", "Stub"]
 
@@ -76,7 +77,7 @@ class Stub:
     def __init__(self, name: str = "stub"):
         object.__setattr__(self, "_name", name)
 
-    def __getattr__(self, item: str) -> "Stub":
+    def __getattr__(self, item: str) -> Stub:
         if item.startswith("__") and item.endswith("__"):
             raise AttributeError(item)
         return Stub(f"{self._name}.{item}")
@@ -181,9 +182,11 @@ def _fill_stub(module: types.ModuleType, src: str) -> None:
             os.environ.get(name, default).strip().lower() in ("1", "true"))
     elif name == "sglang.srt.mem_cache.memory_pool":
         ns = module.__dict__
+        from typing import Any as _Any
+        from typing import Optional
+
         import torch
-        from typing import Any as _Any, List, Optional
-        ns.update(torch=torch, Any=_Any, List=List, Optional=Optional,
+        ns.update(torch=torch, Any=_Any, List=list, Optional=Optional,
                   GPU_MEMORY_TYPE_KV_CACHE="kv_cache", TorchMemorySaverAdapter=Stub("TorchMemorySaverAdapter"))
         ns["__annotations_future__"] = True
         path = os.path.join(src, "sglang", "srt", "mem_cache", "memory_pool.py")

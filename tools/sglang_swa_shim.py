@@ -47,7 +47,7 @@ def _common_shim():
         return mod
 
 
-def default_src() -> Optional[str]:
+def default_src() -> str | None:
     return _common_shim().default_src()
 
 
@@ -72,7 +72,7 @@ def _lift_class(path: str, name: str, namespace: dict) -> Any:
     return namespace[name]
 
 
-def load_sglang_swa(src: Optional[str] = None) -> types.SimpleNamespace:
+def load_sglang_swa(src: str | None = None) -> types.SimpleNamespace:
     shim = _common_shim()
     sg = shim.load_sglang(src)
     imp = importlib.import_module
@@ -128,7 +128,7 @@ def load_sglang_swa(src: Optional[str] = None) -> types.SimpleNamespace:
     class SGReq:
         """What SGLang's SWA caches and ``free_swa_out_of_window_slots`` read from a request."""
 
-        def __init__(self, rid: str, origin_input_ids: list, extra_key: Optional[str] = None):
+        def __init__(self, rid: str, origin_input_ids: list, extra_key: str | None = None):
             self.rid = rid
             self.origin_input_ids = list(origin_input_ids)
             self.output_ids: list = []

@@ -9,7 +9,13 @@ from typing import Any
 
 __all__ = ["run_bench", "WORKLOAD_NAMES"]
 
-WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "zipf", "no-reuse", "long-decode", "trace")
+
+def __getattr__(name: str) -> Any:
+    if name == "WORKLOAD_NAMES":  # the registry's names (kvcore.bench.workloads.WORKLOADS), loaded on use
+        from kvcore.bench.workloads import WORKLOADS
+
+        return tuple(WORKLOADS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run_bench(backends: list[str], *, workload: str = "shared-prefix", seed: int = 0, num_requests: int | None = None,

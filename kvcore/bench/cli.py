@@ -8,9 +8,15 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from kvcore.bench.workloads import WORKLOADS
+
 __all__ = ["bench"]
 
-_WORKLOADS = ("shared-prefix", "multi-turn", "zipf", "no-reuse", "long-decode", "trace")
+_WORKLOAD_HELP = (
+    ", ".join(WORKLOADS) + " [default: trace with --trace; "
+    + "".join(f"{n} when every backend takes {w.favours!r}; " for n, w in WORKLOADS.items() if w.favours)
+    + f"else {next(iter(WORKLOADS))}]."
+)
 _DEVICES = ("cpu", "cuda", "npu")
 
 
@@ -57,7 +63,7 @@ def bench(
     backend: Annotated[Optional[List[str]], typer.Option("--backend", "-b", metavar="NAME", help="Backend to run; repeat to compare several.")] = None,
     compare: Annotated[Optional[str], typer.Option("--compare", help="Comma-separated backends to run side by side (ratios against the first).")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda (cuda:N) or npu; on cuda/npu every prefill and decode writes real K/V.")] = "cpu",
-    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="shared-prefix, multi-turn, zipf, no-reuse, long-decode or trace [default: long-decode when only SWA backends run, where window freeing shows; else shared-prefix].")] = None,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help=_WORKLOAD_HELP)] = None,
     trace: Annotated[Optional[str], typer.Option("--trace", help="Mooncake JSONL trace to replay (implies --workload trace; default: the shipped sample).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the workload generator.")] = 0,
     num_requests: Annotated[Optional[int], typer.Option("--num-requests", "-n", help="Requests to generate (trace: first N lines); default depends on the workload.")] = None,
@@ -75,7 +81,8 @@ def bench(
     sessions: Annotated[bool, typer.Option("--sessions/--no-sessions", help="Run follow-up turns of multi-turn conversations on streaming sessions.")] = True,
     eviction_policy: Annotated[Optional[str], typer.Option("--eviction-policy", help="Eviction policy for tree backends (lru, lfu, ...).")] = None,
     step_ms: Annotated[float, typer.Option("--step-ms", help="Trace replay: milliseconds of trace time per scheduler step.")] = 20.0,
-    reference: Annotated[bool, typer.Option("--reference/--no-reference", help="When one SWA backend runs alone, also run radix on the same work for comparison.")] = True,
+    reference: Annotated[Optional[str], typer.Option("--reference", metavar="NAME", help="The backend to compare against: run alongside a single backend (default: the one its plugin names, else radix), or first in a comparison so the ratios are against it.")] = None,
+    no_reference: Annotated[bool, typer.Option("--no-reference", help="Run a single backend alone, without its reference.")] = False,
     write_kv: Annotated[Optional[bool], typer.Option("--write-kv/--no-write-kv", help="Write K/V bytes into the device buffer (default: on for cuda/npu).")] = None,
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
@@ -83,18 +90,15 @@ def bench(
     Exit status: 0, or 2 when a run leaked slots or broke an invariant.
     """
     names = _backend_list(backend, compare)
-    if workload is None:
-        if trace is not None:
-            workload = "trace"
-        else:
-            from kvcore.bench.loop import is_swa_backend
-            from kvcore.plugins import get_backend
+    from kvcore.plugins import available_backends, get_backend
 
-            for name in names:
-                get_backend(name)  # BackendNotFound names the known ones
-            workload = "long-decode" if all(is_swa_backend(n) for n in names) else "shared-prefix"
-    if workload not in _WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose one of: {', '.join(_WORKLOADS)}")
+    specs = [get_backend(name) for name in names]  # BackendNotFound names the known ones
+    if workload is None:
+        from kvcore.bench.workloads import default_workload
+
+        workload = default_workload([set(spec.config.model_fields) for spec in specs], trace)
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of: {', '.join(WORKLOADS)}")
     for opt, val in (("--size", size), ("--page-size", page_size), ("--max-num-reqs", max_num_reqs),
                      ("--chunk-size", chunk_size), ("--window", window), ("--swa-size", swa_size),
                      ("--swa-interval", swa_interval), ("--num-requests", num_requests)):
@@ -105,14 +109,11 @@ def bench(
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG: give a file name ending in .png, not {plot!r}")
 
-    from kvcore.plugins import available_backends, get_backend
-
-    for name in names:
-        get_backend(name)  # BackendNotFound names the known ones
+    if reference is not None:
+        get_backend(reference)
     _check_device(device)
 
     from kvcore.bench import run_bench
-    from kvcore.bench.loop import is_swa_backend
 
     config = dict(
         device=device, size=size, page_size=page_size, max_num_reqs=max_num_reqs, chunk_size=chunk_size,
@@ -120,12 +121,16 @@ def bench(
         eviction_policy=eviction_policy, write_kv=write_kv,
     )
     run_names = list(names)
-    with_reference = (
-        reference and len(names) == 1 and is_swa_backend(names[0]) and "radix" in available_backends()
-        and names[0] != "radix"
-    )
-    if with_reference:
-        run_names.append("radix")
+    with_reference = False
+    if len(names) == 1 and not no_reference:
+        # A backend alone runs with its reference: --reference, else what its plugin names, else radix.
+        ref = reference or specs[0].reference or "radix"
+        with_reference = ref != names[0] and ref in available_backends()
+        if with_reference:
+            run_names.append(ref)
+    elif reference is not None:
+        # A comparison: the reference goes first, so every ratio is against it.
+        names = run_names = [reference, *(n for n in names if n != reference)]
 
     progress = None
     bar = contextlib.nullcontext()
@@ -149,6 +154,8 @@ def bench(
                             step_ms=step_ms, progress=progress, **config)
     if with_reference:
         reports[-1]["_reference"] = True
+    elif reference is not None:
+        reports[0]["_reference"] = True
 
     if plot is not None:
         from kvcore.bench.plot import write_plot

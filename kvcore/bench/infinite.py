@@ -3,11 +3,13 @@
 A compressed radix tree over plain lists that never evicts: each request matches
 its prompt (at most ``len(prompt) - 1`` tokens, page-aligned, as the serving loop
 does), then its whole sequence (prompt + output) is inserted.  Edge comparisons
-are C-level slice comparisons, so the cost follows the number of branch points,
-not the number of tokens.
+are C-level slice comparisons (``kvcore.tree.prefix_match_len`` on a partial
+edge), so the cost follows the number of branch points, not the number of tokens.
 """
 
 from __future__ import annotations
+
+from kvcore.tree import prefix_match_len
 
 __all__ = ["InfiniteCache"]
 
@@ -20,18 +22,12 @@ class _Node:
         self.children: dict[int, _Node] = {}
 
 
-def _common(a: list[int], off: int, b: list[int], n: int) -> int:
-    """Length of the common prefix of ``a[off:off+n]`` and ``b[:n]``."""
-    if a[off : off + n] == b[:n]:
+def _common(ids: list[int], pos: int, key: list[int], n: int) -> int:
+    """Length of the common prefix of ``ids[pos:pos+n]`` and ``key[:n]``: a whole edge in one comparison,
+    else the tree kit's search."""
+    if ids[pos : pos + n] == key[:n]:
         return n
-    lo, hi = 0, n - 1  # a[off:off+lo] == b[:lo]; mismatch somewhere in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[off : off + mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return prefix_match_len(ids, pos, key, n)
 
 
 class InfiniteCache:

@@ -2,40 +2,41 @@
 
 Each step (1) moves arrived requests to the waiting queue, (2) spends a prefill
 token budget: first on the request whose prefill was chunked, then admitting
-waiting requests in order (``match_prefix``, lock, row, slots) while memory and
-rows allow, (3) decodes one token for every running request in one batched
-allocation (after freeing out-of-window slots on SWA backends), and (4) finishes
-requests that reached their output length.  Allocation that falls short evicts
-from the cache; when eviction cannot help, the newest running request is
-retracted: its KV is released, its output reset and it goes back to the front of
-the queue.  Follow-up turns of a conversation run on a streaming session when
-sessions are on; an idle session is released (least recently used first) when
-memory is short.  Everything the backend does (and the pools it runs on) is
-timed as backend time; the rest is loop overhead.
+waiting requests in order while memory and rows allow, (3) decodes one token for
+every running request in one batched allocation (after freeing out-of-window
+slots when the backend has a windowed pool), and (4) finishes requests that
+reached their output length.  The engine protocol itself (match, lock, row,
+slots, ``cache_unfinished_req``, release, retract, sessions) is
+:class:`kvcore.engine.Engine`'s; this module keeps only the scheduling policy:
+budgets, the memory reserve, when to free the window, whom to retract, which
+idle session to release.  Allocation that falls short evicts (``make_room``);
+when that cannot help, the least recently used idle session is released, then
+the newest running request is retracted and goes back to the front of the
+queue.  Everything the engine does is timed as backend time (K/V writes apart);
+the rest is loop overhead.  Counters and samples live in
+:mod:`kvcore.bench.metrics`, the K/V writer in :mod:`kvcore.bench.kvwriter`.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from kvcore.bench.infinite import InfiniteCache
-from kvcore.bench.workloads import RequestSpec, Workload
+from kvcore.bench.metrics import Metrics, RunResult
+from kvcore.bench.spec import RequestSpec, Workload
+from kvcore.bench.timer import Stopwatch
+from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation, KvcoreError
-from kvcore.keys import RadixKey
 from kvcore.record import Req, ReqKvInfo, ceil_align
-from kvcore.release import (
-    cache_unfinished_req,
-    free_window_slots,
-    release_kv_cache,
-)
 
-__all__ = ["BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache"]
+__all__ = ["BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache", "cache_options"]
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
 
 
 class BenchStalled(KvcoreError, RuntimeError):
@@ -62,50 +63,16 @@ class BenchConfig:
     eviction_policy: str | None = None
 
 
-@dataclass
-class RunResult:
-    backend: str
-    options: dict
-    steps: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    infinite_cached_tokens: int = 0
-    retractions: int = 0
-    evictions: int = 0
-    swa_evictions: int = 0
-    evict_calls: int = 0
-    session_releases: int = 0
-    wall_s: float = 0.0
-    backend_s: float = 0.0
-    kv_write_s: float = 0.0
-    kv_bytes_written: int = 0
-    check_s: float = 0.0
-    step_us: list[float] = field(default_factory=list)
-    pools: dict = field(default_factory=dict)
-    leaked_slots: int = 0
-    leaked_rows: int = 0
-    invariant_violations: int = 0
-    violations: list[str] = field(default_factory=list)
-    checks: int = 0
-    # Most window slots one decoding request holds: after a window free, plus the
-    # tokens it decodes before the next one (its prompt is whole in the window until then).
-    window_per_request_peak: int = 0
-    timeline: dict = field(default_factory=dict)
-
-
-def _has_field(backend: str, name: str) -> bool:
+def config_fields(backend: str) -> set[str]:
+    """The option names ``backend``'s config model takes."""
     from kvcore.plugins import get_backend
 
-    return name in get_backend(backend).config.model_fields
-
-
-def is_swa_backend(backend: str) -> bool:
-    return _has_field(backend, "sliding_window_size")
+    return set(get_backend(backend).config.model_fields)
 
 
 def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
-    """The create_cache options for ``cfg``: window options only where the backend has them."""
+    """The create_cache options for ``cfg``: bench options go only to backends whose config has the field."""
+    fields = config_fields(cfg.backend)
     opts: dict[str, Any] = dict(
         size=cfg.size,
         page_size=cfg.page_size,
@@ -113,11 +80,11 @@ def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
         max_context_len=ceil_align(max(max_context_len, 1), cfg.page_size),
         device=cfg.device,
     )
-    if _has_field(cfg.backend, "sliding_window_size"):
+    if "sliding_window_size" in fields:
         opts["sliding_window_size"] = cfg.window
-    if _has_field(cfg.backend, "swa_size"):
+    if "swa_size" in fields:
         opts["swa_size"] = cfg.swa_size if cfg.swa_size is not None else cfg.size
-    if cfg.eviction_policy is not None and _has_field(cfg.backend, "eviction_policy"):
+    if cfg.eviction_policy is not None and "eviction_policy" in fields:
         opts["eviction_policy"] = cfg.eviction_policy
     if _write_kv(cfg):
         opts["kv_buffer"] = {"num_layers": cfg.kv_layers, "num_heads": cfg.kv_heads, "head_dim": cfg.kv_head_dim}
@@ -160,7 +127,6 @@ class _Loop:
         self.progress = progress
         cache, opts = build_cache(cfg, workload)
         self.backend = cache
-        self.res = RunResult(backend=cfg.backend, options=opts)
         self.use_sessions = cfg.sessions and any(s.session_id for s in workload.requests)
         if self.use_sessions:
             from kvcore.session import StreamingSession
@@ -168,19 +134,29 @@ class _Loop:
             self.cache = StreamingSession(cache)
         else:
             self.cache = cache
-        self.r2t = cache.req_to_token_pool
-        self.table = self.r2t.req_to_token
-        self.alloc = cache.token_to_kv_pool_allocator
         self.ps = cache.page_size
-        self.swa = bool(cache.supports_swa())
-        self.chunk_cache = bool(cache.is_chunk_cache())
-        self.window = int(getattr(cache, "sliding_window_size", cfg.window)) if self.swa else 0
-        self.dev = torch.device(getattr(self.alloc, "device", "cpu") or "cpu")
-        self._init_kv()
-        if self.swa:
-            self.caps = {"full": self.alloc.size_full, "swa": self.alloc.size_swa}
-        else:
-            self.caps = {"full": int(self.alloc.size)}
+        self.metrics = Metrics(cfg.backend, opts, cache)
+        self.res = self.metrics.res
+        # The pools a new token takes a slot in (the row indexes them); a windowed one also
+        # gives slots back as the request slides past its window.
+        self.token_pools = [v for v in cache.pools() if v.record_slots is None]
+        self.windowed = any(v.windowed for v in self.token_pools)
+        self.window = int(opts.get("sliding_window_size", 0)) if self.windowed else 0
+        if self.windowed:
+            self.res.window_per_request_peak = 0
+            self.res.window_size = self.window
+        alloc = cache.token_to_kv_pool_allocator
+        self.dev = torch.device(alloc.device or "cpu")
+        self.kv = None
+        if _write_kv(cfg):
+            from kvcore.bench.kvwriter import make_kv_writer
+
+            self.kv = make_kv_writer(cache, self.dev, rows=max(cfg.chunk_size, cfg.max_num_reqs),
+                                     layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
+        self.engine = Engine(self.cache, kv_writer=self.kv, release_idle_sessions=False,
+                             on_evict=self.metrics.count_evict)
+        self.idle_sessions = self.engine.idle_sessions
+        self.r2t = cache.req_to_token_pool
         self._check_fits()
         # scheduler state
         self.step = 0
@@ -198,275 +174,108 @@ class _Loop:
         self.chunked: _Job | None = None
         self.later: list[tuple[int, int, RequestSpec]] = []  # follow-up turns: (ready step, order, spec)
         self.next_turn: dict[str, list[RequestSpec]] = {}
-        self.idle_sessions: OrderedDict[str, None] = OrderedDict()
         self.finished = 0
         self.new_token_ratio = 0.7
-        self.peak = {p: 0 for p in self.caps}
-        self.peak_occ = {p: 0 for p in self.caps}
-        self.tl: dict[str, list] = {"step": [], "hit_rate": []}
-        for p in self.caps:
-            self.tl[f"{p}_used"] = []
-            self.tl[f"{p}_live"] = []
-        self._cum_prompt = 0
-        self._cum_cached = 0
-        self.bt = 0.0  # backend seconds
+        self.bt = Stopwatch()  # time inside the engine (the backend and its pools)
 
     # ------------------------------------------------------------------ setup
-    def _init_kv(self) -> None:
-        self.kv_pool = None
-        if not _write_kv(self.cfg):
-            return
-        pool = getattr(self.backend, "kv_pool", None)
-        if pool is None:
-            from kvcore.pools import MHATokenToKVPool
-
-            full = getattr(self.alloc, "full_attn_allocator", self.alloc)
-            pool = MHATokenToKVPool(full.size, self.ps, torch.float16, self.cfg.kv_heads, self.cfg.kv_head_dim,
-                                    self.cfg.kv_layers, self.dev)
-        self.kv_pool = pool
-        self.kv_layers = int(getattr(pool, "layer_num", self.cfg.kv_layers))
-        heads = int(getattr(pool, "head_num", self.cfg.kv_heads))
-        dim = int(getattr(pool, "head_dim", self.cfg.kv_head_dim))
-        dtype = getattr(pool, "dtype", torch.float16)
-        rows = max(self.cfg.chunk_size, self.cfg.max_num_reqs)
-        g = torch.Generator(device="cpu").manual_seed(0)
-        self.kv_src = torch.randn((rows, heads, dim), generator=g).to(dtype=dtype, device=self.dev)
-        self.kv_token_bytes = 2 * self.kv_layers * heads * dim * self.kv_src.element_size()
-
     def _check_fits(self) -> None:
         biggest = max(self.workload.requests, key=lambda r: r.total_len)
-        need = ceil_align(biggest.total_len, self.ps)
-        cap = self.caps["full"]
-        if need > cap:
-            raise ValueError(
-                f"request {biggest.rid!r} needs {need} token slots but backend {self.cfg.backend!r} has {cap}; "
-                f"raise --size"
-            )
-        if self.swa:
-            need_swa = min(need, ceil_align(self.cfg.chunk_size, self.ps) + self.window + self.cfg.swa_interval + 2 * self.ps)
-            if need_swa > self.caps["swa"]:
+        ps = self.ps
+        need = ceil_align(biggest.total_len, ps)
+        for v in self.token_pools:
+            cap = v.capacity
+            if not v.windowed:
+                if need > cap:
+                    raise ValueError(
+                        f"request {biggest.rid!r} needs {need} token slots but backend {self.cfg.backend!r} has {cap}"
+                        f"{'' if v is self.token_pools[0] else f' in pool {v.name!r}'}; raise --size"
+                    )
+                continue
+            need_w = min(need, ceil_align(self.cfg.chunk_size, ps) + self.window + self.cfg.swa_interval + 2 * ps)
+            if need_w > cap:
                 raise ValueError(
-                    f"the window pool ({self.caps['swa']} slots) cannot hold one prefill chunk plus the window "
-                    f"({need_swa} slots); raise --swa-size or lower --chunk-size"
+                    f"the window pool {v.name!r} ({cap} slots) cannot hold one prefill chunk plus the window "
+                    f"({need_w} slots); raise --swa-size or lower --chunk-size"
                 )
 
-    # ------------------------------------------------------------- helpers
-    def _sizes(self) -> tuple[int, int, int, int]:
-        """(full available, full evictable, swa available, swa evictable)."""
-        c, a = self.backend, self.alloc
-        if self.swa:
-            return a.full_available_size(), c.full_evictable_size(), a.swa_available_size(), c.swa_evictable_size()
-        av = a.available_size()
-        return av, c.evictable_size(), av, 0
-
-    def _ensure(self, need: int, need_swa: int) -> bool:
-        """Make ``need`` full (and ``need_swa`` window) slots available, evicting if short."""
-        pc = time.perf_counter
-        t = pc()
-        if self.swa:
-            fa, sa = self.alloc.full_available_size(), self.alloc.swa_available_size()
-            short, short_swa = need - fa, need_swa - sa
-            if short > 0 or short_swa > 0:
-                r = self.backend.evict(max(short, 0), swa_num_tokens=max(short_swa, 0))
-                self._count_evict(r)
-                fa, sa = self.alloc.full_available_size(), self.alloc.swa_available_size()
-            ok = fa >= need and sa >= need_swa
-        else:
-            av = self.alloc.available_size()
-            if av < need:
-                self._count_evict(self.backend.evict(need - av))
-                av = self.alloc.available_size()
-            ok = av >= need
-        self.bt += pc() - t
-        return ok
-
-    def _count_evict(self, r) -> None:
-        self.res.evict_calls += 1
-        if r is not None:
-            self.res.evictions += int(getattr(r, "num_tokens_evicted", 0) or 0)
-            self.res.swa_evictions += int(getattr(r, "swa_num_tokens_evicted", 0) or 0)
-
-    def _kv_write(self, slots: torch.Tensor) -> None:
-        n = slots.numel()
-        if self.kv_pool is None or n == 0:
-            return
-        t = time.perf_counter()
-        k = self.kv_src
-        while n > k.shape[0]:
-            k = torch.cat((k, k))
-        for layer in range(self.kv_layers):
-            self.kv_pool.set_kv_buffer(layer, slots, k[:n], k[:n])
-        self.res.kv_write_s += time.perf_counter() - t
-        self.res.kv_bytes_written += n * self.kv_token_bytes
-
-    def _release_idle_session(self, keep: str | None = None) -> bool:
-        for sid in self.idle_sessions:
-            if sid != keep:
-                del self.idle_sessions[sid]
-                t = time.perf_counter()
-                self.cache.release_session(sid)
-                self.bt += time.perf_counter() - t
-                self.res.session_releases += 1
-                return True
-        return False
-
-    # ------------------------------------------------------------ prefill
-    def _extend(self, job: _Job, n: int) -> bool:
-        """Allocate and fill ``n`` more prompt positions of ``job``; False when memory is short."""
-        req = job.req
-        kv = req.kv
-        start = kv.kv_allocated_len
-        end = start + n
-        ps = self.ps
-        pc = time.perf_counter
-        if self.swa and self.chunk_cache and start > 0:
-            t = pc()
-            self._free_window(req, start)
-            self.bt += pc() - t
-        need = ceil_align(end, ps) - ceil_align(start, ps) if ps > 1 else n
-        if not self._ensure(need, need):
-            return False
-        row = kv.req_pool_idx
-        t = pc()
-        if ps == 1:
-            slots = self.alloc.alloc(n)
-        else:
-            last = int(self.table[row, start - 1]) if start else -1
-            slots = self.alloc.alloc_extend([start], [start], [end], [end], [last], n)
-        self.bt += pc() - t
-        if slots is None:
-            return False
-        t = pc()
-        self.r2t.write((row, slice(start, end)), slots)
-        self.bt += pc() - t
-        kv.kv_allocated_len = kv.kv_committed_len = end
-        self._kv_write(slots)
-        if end < len(req.origin_input_ids):
-            t = pc()
-            cache_unfinished_req(req, self.cache, chunked=True)
-            self.bt += pc() - t
-            self.chunked = job
-        else:
-            # Like SGLang's scheduler: a prompt that finished prefill goes into the tree
-            # now, so requests arriving while it decodes can share it.
-            t = pc()
-            cache_unfinished_req(req, self.cache)
-            self.bt += pc() - t
-            self.chunked = None
-            self._join(job)
-        return True
-
-    # ----------------------------------------------------- lazy decode state
-    def _join(self, job: _Job) -> None:
-        kv = job.req.kv
-        g = self.G
-        job.off = kv.kv_allocated_len - g
-        job.end_g = g + len(job.spec.output) - len(job.req.output_ids)
-        self.running.append(job)
-        self.sum_end += job.end_g
-        heapq.heappush(self.finish_heap, (job.end_g, job.seq, job.gen, job))
-        if self.swa:
-            self._push_window(job)
-        self._dirty = True
-
-    def _push_window(self, job: _Job, after: bool = False) -> None:
-        # Free once len - (window + interval) >= cursor, i.e. at G >= cursor + limit - off.
-        at = job.req.kv.swa_evicted_seqlen + self.window + self.cfg.swa_interval - job.off
-        heapq.heappush(self.window_heap, (max(at, self.G + 1 if after else self.G), job.seq, job.gen, job))
-
-    def _leave(self, job: _Job) -> None:
-        self._sync(job)
-        self.running.remove(job)
-        self.sum_end -= job.end_g
-        job.gen += 1
-        self._dirty = True
-
-    def _sync(self, job: _Job, outputs: bool = True) -> None:
-        """Write the decode rounds so far into the record (and, unless told not to, the output ids)."""
-        req = job.req
-        length = job.off + self.G
-        kv = req.kv
-        kv.kv_allocated_len = kv.kv_committed_len = length
-        # Copying the outputs costs O(length): the window path, which needs only the lengths, skips it.
-        if outputs and len(req.output_ids) != length - len(req.origin_input_ids):
-            req.output_ids = job.spec.output[: length - len(req.origin_input_ids)]
-
-    def _tensors(self):
-        if self._dirty:
-            running = self.running
-            self._rows_t = torch.tensor([j.req.kv.req_pool_idx for j in running], dtype=torch.int64, device=self.dev)
-            self._off_cpu = torch.tensor([j.off for j in running], dtype=torch.int64)
-            self._off_t = self._off_cpu.to(self.dev)
-            self._dirty = False
-        return self._rows_t, self._off_t, self._off_cpu
-
-    def _free_window(self, req: Req, pre_len: int) -> None:
-        free_window_slots(self.backend, [req], [pre_len])
+    # ------------------------------------------------------------- memory
+    def _rooms(self) -> list[int]:
+        """Per token pool: available + evictable slots minus what the running requests will still decode."""
+        sizes = self.backend.cached_sizes()
+        full, window = self._reserve()
+        return [
+            v.allocator.available_size() + sizes.get(v.name, (0, 0))[0] - (window if v.windowed else full)
+            for v in self.token_pools
+        ]
 
     def _reserve(self) -> tuple[int, int]:
-        """Slots kept back for the running requests' decoding (SGLang's new-token ratio)."""
+        """Slots kept back for the running requests' decoding (SGLang's new-token ratio): (others, windowed)."""
         full = self.sum_end - len(self.running) * self.G
-        swa = min(full, len(self.running) * (self.window + self.cfg.swa_interval))
+        window = min(full, len(self.running) * (self.window + self.cfg.swa_interval))
         if self.chunked is not None:
             kv = self.chunked.req.kv
             left = len(self.chunked.req.origin_input_ids) - kv.kv_allocated_len
             full += left
-            swa += left
+            window += left
         r = self.new_token_ratio
-        return int(full * r), int(swa * r) if self.swa else 0
+        return int(full * r), int(window * r) if self.windowed else 0
+
+    def _headroom(self) -> int:
+        return min(self._rooms())
+
+    def _release_idle_session(self, keep: str | None = None) -> bool:
+        with self.bt:
+            released = self.engine.release_idle_session(keep)
+        if released:
+            self.res.session_releases += 1
+        return released
+
+    # ------------------------------------------------------------ prefill
+    def _extend(self, job: _Job, n: int) -> bool:
+        """Prefill ``n`` more prompt positions of ``job``; False when memory is short."""
+        req = job.req
+        end = req.kv.kv_allocated_len + n
+        with self.bt:
+            # A prompt that finished prefill goes into the tree now (as SGLang's scheduler does),
+            # so requests arriving while it decodes can share it.
+            ok = self.engine.extend(req, end)
+        if not ok:
+            return False
+        if end < len(req.origin_input_ids):
+            self.chunked = job
+        else:
+            self.chunked = None
+            self._join(job)
+        return True
 
     def _admit(self, job: _Job, budget: int, rows_only: bool) -> str:
         """Try to admit ``job`` with up to ``budget`` prompt tokens: 'ok', 'rows' or 'mem'."""
         req = job.req
+        engine = self.engine
         sid = req.session_id
-        session_live = self.use_sessions and sid is not None and sid in self.idle_sessions
-        if rows_only and not session_live:
+        if rows_only and not (sid is not None and sid in self.idle_sessions):
             return "rows"
         # A waiting request never owns anything; a session restore shares the slot's record.
         req.kv = ReqKvInfo()
         req.last_node = None
         req.lock = None
         prompt = req.origin_input_ids
-        key = RadixKey(prompt[: len(prompt) - 1])
-        pc = time.perf_counter
-        t = pc()
-        cache = self.cache
-        m = cache.match_prefix(key, req) if self.use_sessions and sid is not None else cache.match_prefix(key)
-        node = m.last_device_node
-        lock = cache.inc_lock_ref(node)
-        restored = req.kv.is_held
-        prefix_len = int(m.device_indices.numel())
+        with self.bt:
+            m = engine.match(req)
+            prefix_len = m.prefix_len
+            rooms = self._rooms()
         first = min(budget, len(prompt) - prefix_len)
-        need = ceil_align(prefix_len + first, self.ps) - ceil_align(prefix_len, self.ps) if self.ps > 1 else first
-        fa, fe, sa, se = self._sizes()
-        self.bt += pc() - t
-        res_full, res_swa = self._reserve()
-        if need > fa + fe - res_full or (self.swa and need > sa + se - res_swa):
-            t = pc()
-            cache.dec_lock_ref(node, lock)
-            self.bt += pc() - t
+        ps = self.ps
+        need = ceil_align(prefix_len + first, ps) - ceil_align(prefix_len, ps) if ps > 1 else first
+        if any(need > room for room in rooms):
+            with self.bt:
+                engine.cancel(m)
             return "mem"
-        t = pc()
-        rows = self.r2t.alloc([req])
-        self.bt += pc() - t
-        if rows is None:
-            t = pc()
-            cache.dec_lock_ref(node, lock)
-            self.bt += pc() - t
+        with self.bt:
+            admitted = engine.admit(req, matched=m)
+        if not admitted:
             return "rows"
-        req.prefix_indices = m.device_indices
-        req.last_node = node
-        req.lock = lock
-        kv = req.kv
-        if restored:
-            self.idle_sessions.pop(sid, None)
-        else:
-            kv.cache_protected_len = prefix_len
-            if prefix_len:
-                t = pc()
-                self.r2t.write((kv.req_pool_idx, slice(0, prefix_len)), m.device_indices)
-                self.bt += pc() - t
-        kv.kv_committed_len = kv.kv_allocated_len = prefix_len
         if job.prefix_len < 0:
             # Hit rate counts the first admission: a retracted request re-matching its own
             # chunks is recompute saved, not reuse across requests.
@@ -479,21 +288,11 @@ class _Loop:
         return "ok"
 
     def _unadmit(self, job: _Job) -> None:
-        """Undo an admission (or retract): release the KV without caching it, reset the request."""
+        """Undo an admission (or retract): everything back, nothing cached, the request reset for recompute."""
         req = job.req
-        sid = req.session_id
-        t = time.perf_counter()
-        if self.use_sessions and sid is not None and sid in self.cache.slots and req.kv is self.cache.slots[sid].kv:
-            self.cache.release_session(sid)
-            self.idle_sessions.pop(sid, None)
-        else:
-            release_kv_cache(req, self.backend, is_insert=False)
-        self.bt += time.perf_counter() - t
-        req.kv = ReqKvInfo()
+        with self.bt:
+            self.engine.retract(req)
         req.output_ids = []
-        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-        req.last_node = None
-        req.lock = None
         job.admitted = False
         if self.chunked is job:
             self.chunked = None
@@ -534,11 +333,49 @@ class _Loop:
                 break
         return used
 
-    def _headroom(self) -> int:
-        fa, fe, sa, se = self._sizes()
-        rf, rs = self._reserve()
-        room = fa + fe - rf
-        return min(room, sa + se - rs) if self.swa else room
+    # ----------------------------------------------------- lazy decode state
+    def _join(self, job: _Job) -> None:
+        kv = job.req.kv
+        g = self.G
+        job.off = kv.kv_allocated_len - g
+        job.end_g = g + len(job.spec.output) - len(job.req.output_ids)
+        self.running.append(job)
+        self.sum_end += job.end_g
+        heapq.heappush(self.finish_heap, (job.end_g, job.seq, job.gen, job))
+        if self.windowed:
+            self._push_window(job)
+        self._dirty = True
+
+    def _push_window(self, job: _Job, after: bool = False) -> None:
+        # Free once len - (window + interval) >= cursor, i.e. at G >= cursor + limit - off.
+        at = job.req.kv.swa_evicted_seqlen + self.window + self.cfg.swa_interval - job.off
+        heapq.heappush(self.window_heap, (max(at, self.G + 1 if after else self.G), job.seq, job.gen, job))
+
+    def _leave(self, job: _Job) -> None:
+        self._sync(job)
+        self.running.remove(job)
+        self.sum_end -= job.end_g
+        job.gen += 1
+        self._dirty = True
+
+    def _sync(self, job: _Job, outputs: bool = True) -> None:
+        """Write the decode rounds so far into the record (and, unless told not to, the output ids)."""
+        req = job.req
+        length = job.off + self.G
+        kv = req.kv
+        kv.kv_allocated_len = kv.kv_committed_len = length
+        # Copying the outputs costs O(length): the window path, which needs only the lengths, skips it.
+        if outputs and len(req.output_ids) != length - len(req.origin_input_ids):
+            req.output_ids = job.spec.output[: length - len(req.origin_input_ids)]
+
+    def _tensors(self):
+        if self._dirty:
+            running = self.running
+            self._rows_t = torch.tensor([j.req.kv.req_pool_idx for j in running], dtype=torch.int64, device=self.dev)
+            self._off_cpu = torch.tensor([j.off for j in running], dtype=torch.int64)
+            self._off_t = self._off_cpu.to(self.dev)
+            self._dirty = False
+        return self._rows_t, self._off_t, self._off_cpu
 
     # ------------------------------------------------------------- decode
     def _retract_newest(self) -> bool:
@@ -556,60 +393,47 @@ class _Loop:
         self.new_token_ratio = 0.7
         return True
 
+    def _free_window(self) -> None:
+        """Window free for every running request that slid ``swa_interval`` tokens past its window."""
+        heap = self.window_heap
+        due = []
+        while heap and heap[0][0] <= self.G:
+            _, _, gen, job = heapq.heappop(heap)
+            if gen == job.gen:
+                self._sync(job, outputs=False)
+                due.append(job)
+        # One allocator free for the whole batch, as a scheduler would do it.
+        with self.bt:
+            self.engine.free_window([job.req for job in due])
+        # What a decoding request holds at most: what it keeps now plus the tokens
+        # it decodes before its next window free.
+        held = 0
+        for job in due:
+            kv = job.req.kv
+            held = max(held, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
+            self._push_window(job, after=True)
+        if due:
+            self.metrics.window_held(held + self.cfg.swa_interval)
+
     def _decode(self) -> int:
         if not self.running:
             return 0
-        pc = time.perf_counter
-        ps = self.ps
-        if self.swa and self.window_heap and self.window_heap[0][0] <= self.G:
-            heap = self.window_heap
-            due = []
-            while heap and heap[0][0] <= self.G:
-                _, _, gen, job = heapq.heappop(heap)
-                if gen == job.gen:
-                    self._sync(job, outputs=False)
-                    due.append(job)
-            # One allocator free for the whole batch, as a scheduler would do it.
-            reqs = [job.req for job in due]
-            t = pc()
-            free_window_slots(self.backend, reqs)
-            self.bt += pc() - t
-            # What a decoding request holds at most: what it keeps now plus the tokens
-            # it decodes before its next window free.
-            held = 0
-            for job in due:
-                kv = job.req.kv
-                held = max(held, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
-                self._push_window(job, after=True)
-            if due and held + self.cfg.swa_interval > self.res.window_per_request_peak:
-                self.res.window_per_request_peak = held + self.cfg.swa_interval
+        if self.windowed and self.window_heap and self.window_heap[0][0] <= self.G:
+            self._free_window()
+        engine = self.engine
         while True:
             n = len(self.running)
             if n == 0:
                 return 0
             rows_t, off_t, off_cpu = self._tensors()
-            if ps == 1:
-                need = n
-            else:
-                need = ps * int(((off_cpu + self.G) % ps == 0).sum())
-            if self._ensure(need, need):
+            with self.bt:
+                slots = engine.alloc_decode(rows_t, off_t + self.G, off_cpu + self.G)
+            if slots is not None:
                 break
-            if self._release_idle_session():
-                continue
-            self._retract_newest()
-        pos_t = off_t + self.G
-        t = pc()
-        if ps == 1:
-            slots = self.alloc.alloc(n)
-        else:
-            last = self.table[rows_t, pos_t - 1].to(torch.int64)
-            slots = self.alloc.alloc_decode(pos_t + 1, off_cpu + (self.G + 1), last)
-        assert slots is not None, "allocation failed after _ensure said it fits"
-        self.r2t.write((rows_t, pos_t), slots.to(torch.int32))
-        self.bt += pc() - t
-        self._kv_write(slots)
+            if not self._release_idle_session():
+                self._retract_newest()
         self.G += 1
-        self._sample()
+        self.metrics.sample(self.step)
         heap = self.finish_heap
         if heap and heap[0][0] <= self.G:
             done = []
@@ -622,62 +446,29 @@ class _Loop:
         return n
 
     def _finish(self, done: list[_Job]) -> None:
-        pc = time.perf_counter
+        engine = self.engine
         for job in done:
             self._leave(job)
-            req = job.req
             spec = job.spec
-            t = pc()
-            release_kv_cache(req, self.cache)
-            self.bt += pc() - t
+            with self.bt:
+                engine.finish(job.req)  # a non-final turn on a session leaves the session idle
             sid = spec.session_id
             if sid is not None:
                 nxt = self.next_turn.get(sid)
                 if nxt:
                     follow = nxt.pop(0)
                     heapq.heappush(self.later, (self.step + follow.think, self._order(), follow))
-                if self.use_sessions:
-                    if spec.last_turn:
-                        t = pc()
-                        self.cache.release_session(sid)
-                        self.bt += pc() - t
-                    else:
-                        self.idle_sessions[sid] = None
-                        self.idle_sessions.move_to_end(sid)
+                if self.use_sessions and spec.last_turn:
+                    with self.bt:
+                        engine.end_session(sid)
             self.finished += 1
-            self._cum_prompt += len(spec.prompt)
-            self._cum_cached += job.prefix_len
-            self.res.cached_tokens += job.prefix_len
+            self.metrics.request_done(len(spec.prompt), job.prefix_len)
 
     def _order(self) -> int:
         self.seq += 1
         return self.seq
 
-    # ------------------------------------------------------------ sampling
-    def _sample(self) -> None:
-        fa, fe, sa, se = self._sizes()
-        caps = self.caps
-        used = caps["full"] - fa
-        live = used - fe
-        tl = self.tl
-        tl["step"].append(self.step)
-        tl["hit_rate"].append(self._cum_cached / self._cum_prompt if self._cum_prompt else 0.0)
-        tl["full_used"].append(used)
-        tl["full_live"].append(live)
-        if used > self.peak_occ["full"]:
-            self.peak_occ["full"] = used
-        if live > self.peak["full"]:
-            self.peak["full"] = live
-        if self.swa:
-            used = caps["swa"] - sa
-            live = used - se
-            tl["swa_used"].append(used)
-            tl["swa_live"].append(live)
-            if used > self.peak_occ["swa"]:
-                self.peak_occ["swa"] = used
-            if live > self.peak["swa"]:
-                self.peak["swa"] = live
-
+    # ------------------------------------------------------------ checks
     def _owners(self) -> list:
         for j in self.running:
             self._sync(j)
@@ -687,12 +478,10 @@ class _Loop:
         return owners
 
     def _check(self) -> None:
-        from kvcore.invariants import InvariantChecker
-
         t = time.perf_counter()
         self.res.checks += 1
         try:
-            InvariantChecker(self.cache).check(owners=self._owners())
+            self.engine.check(self._owners())
         except InvariantViolation as exc:
             self.res.invariant_violations += 1
             if len(self.res.violations) < 5:
@@ -747,9 +536,10 @@ class _Loop:
                 if not self._release_idle_session() and idle_rounds > 2:
                     head = self.waiting[0].spec if self.waiting else None
                     what = f"request {head.rid!r} ({len(head.prompt)} prompt tokens)" if head else "the loop"
+                    caps = ", ".join(f"{k} {v}" for k, v in self.metrics.capacities.items())
                     raise BenchStalled(
                         f"{self.cfg.backend}: {what} cannot be admitted: the pools "
-                        f"({', '.join(f'{k} {v}' for k, v in self.caps.items())} slots, {self.cfg.max_num_reqs} rows) "
+                        f"({caps} slots, {self.cfg.max_num_reqs} rows) "
                         "are too small; raise --size (or --swa-size, --max-num-reqs)"
                     )
             else:
@@ -767,31 +557,22 @@ class _Loop:
     def _final(self, wall: float) -> RunResult:
         res = self.res
         for sid in list(self.idle_sessions):
-            self.cache.release_session(sid)
-        self.idle_sessions.clear()
+            self.engine.end_session(sid)
         res.wall_s = wall
-        res.backend_s = self.bt
+        kv = self.kv
+        if kv is not None:
+            res.kv_write_s = kv.seconds
+            res.kv_bytes_written = kv.bytes_written
+        res.backend_s = max(0.0, self.bt.seconds - res.kv_write_s)  # K/V writes happen inside engine calls
         res.steps = len(res.step_us)
         res.prompt_tokens = self.workload.prompt_tokens
         res.output_tokens = self.workload.output_tokens
-        sizes = self.backend.cached_sizes()
-        leaked = 0
-        for pool, cap in self.caps.items():
-            if pool == "swa":
-                avail = self.alloc.swa_available_size()
-            elif self.swa:
-                avail = self.alloc.full_available_size()
-            else:
-                avail = self.alloc.available_size()
-            ev, prot = sizes.get(pool, (0, 0))
-            leaked += cap - avail - ev - prot
-            res.pools[pool] = {"capacity": cap, "peak": self.peak[pool], "peak_occupied": self.peak_occ[pool]}
-        res.leaked_slots = leaked
+        res.leaked_slots = self.metrics.final_pools()
         res.leaked_rows = self.r2t.size - self.r2t.available_size()
         self.running = []
         self.chunked = None
         self._check()
-        res.timeline = self.tl
+        res.timeline = self.metrics.tl
         inf = InfiniteCache(self.ps)
         hits = 0
         for s in self.workload.requests:

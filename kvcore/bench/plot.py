@@ -13,8 +13,11 @@ def write_plot(reports: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pools = [p for p in ("full", "swa") if any(p in r["pools"] for r in reports)]
-    fig, axes = plt.subplots(len(pools) + 1, 1, figsize=(10, 3.2 * (len(pools) + 1)), sharex=True)
+    pools: list[str] = []
+    for r in reports:
+        pools += [p["name"] for p in r["pools"] if p["name"] not in pools]
+    fig, axes = plt.subplots(len(pools) + 1, 1, squeeze=False, figsize=(10, 3.2 * (len(pools) + 1)), sharex=True)
+    axes = [row[0] for row in axes]
     for ax, pool in zip(axes, pools):
         for r in reports:
             tl = r.get("_timeline") or {}
@@ -23,7 +26,7 @@ def write_plot(reports: list[dict], path: str) -> None:
             line, = ax.plot(tl["step"], tl[f"{pool}_live"], label=f"{r['backend']} live", linewidth=1)
             ax.plot(tl["step"], tl[f"{pool}_used"], color=line.get_color(), linestyle=":", linewidth=1,
                     label=f"{r['backend']} with cache")
-            cap = r["pools"][pool]["capacity"]
+            cap = next(p["capacity"] for p in r["pools"] if p["name"] == pool)
             ax.axhline(cap, color=line.get_color(), linestyle="--", linewidth=0.6, alpha=0.5)
         ax.set_ylabel(f"{pool} slots in use")
         ax.legend(loc="upper right", fontsize="small")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kvcore.bench.loop import BenchConfig, RunResult
-from kvcore.bench.workloads import Workload
+from kvcore.bench.loop import BenchConfig
+from kvcore.bench.metrics import RunResult
+from kvcore.bench.spec import Workload
 
 __all__ = ["SCHEMA_VERSION", "make_report", "render_table"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: pools is a list of objects with a name (was a dict by pool name)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -40,8 +41,8 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
         "hit_rate": res.cached_tokens / prompt if prompt else 0.0,
         "infinite_cache_hit_rate": res.infinite_cached_tokens / prompt if prompt else 0.0,
         "pools": res.pools,
-        "window_per_request_peak": res.window_per_request_peak if "swa" in res.pools else None,
-        "window_bound": cfg.window + 2 * cfg.page_size if "swa" in res.pools else None,
+        "window_per_request_peak": res.window_per_request_peak,
+        "window_bound": res.window_size + 2 * cfg.page_size if res.window_size is not None else None,
         "retractions": res.retractions,
         "evictions": res.evictions,
         "swa_evictions": res.swa_evictions,
@@ -71,17 +72,31 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
 
 # rows of the table: (label, getter, format, higher_is_better or None for no ratio)
 def _pool(name: str, key: str):
-    return lambda r: r["pools"].get(name, {}).get(key)
+    def get(r):
+        for p in r["pools"]:
+            if p["name"] == name:
+                return p.get(key)
+        return None
+
+    return get
 
 
-_ROWS = [
+def _pool_names(reports: list[dict]) -> list[str]:
+    """Every pool of every report, in first-seen order."""
+    names: list[str] = []
+    for r in reports:
+        for p in r["pools"]:
+            if p["name"] not in names:
+                names.append(p["name"])
+    return names
+
+
+_HEAD = [
     ("hit rate", lambda r: r["hit_rate"], "{:.1%}", True),
     ("infinite-cache hit rate", lambda r: r["infinite_cache_hit_rate"], "{:.1%}", None),
     ("cached tokens", lambda r: r["cached_tokens"], "{:,}", True),
-    ("peak full slots (live)", _pool("full", "peak"), "{:,}", False),
-    ("peak full slots (with cache)", _pool("full", "peak_occupied"), "{:,}", False),
-    ("peak window slots (live)", _pool("swa", "peak"), "{:,}", False),
-    ("peak window slots (with cache)", _pool("swa", "peak_occupied"), "{:,}", False),
+]
+_TAIL = [
     ("window slots per decoding request (peak)", lambda r: r["window_per_request_peak"], "{:,}", None),
     ("  bound: W + 2 pages", lambda r: r["window_bound"], "{:,}", None),
     ("retractions", lambda r: r["retractions"], "{:,}", False),
@@ -99,11 +114,19 @@ _ROWS = [
 ]
 
 
+def _rows(reports: list[dict]) -> list:
+    pools = []
+    for name in _pool_names(reports):
+        pools.append((f"peak {name} slots (live)", _pool(name, "peak"), "{:,}", False))
+        pools.append((f"peak {name} slots (with cache)", _pool(name, "peak_occupied"), "{:,}", False))
+    return [*_HEAD, *pools, *_TAIL]
+
+
 def table_rows(reports: list[dict]) -> list[list[str]]:
     """Metric rows, one column per report; numbers after the first carry their ratio to the first."""
     rows = []
     base = reports[0]
-    for label, get, fmt, better in _ROWS:
+    for label, get, fmt, better in _rows(reports):
         values = [get(r) for r in reports]
         if all(v is None for v in values):
             continue

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvcore.bench.workloads import VOCAB, RequestSpec, TokenSource, Workload
+from kvcore.bench.spec import VOCAB, RequestSpec, TokenSource, Workload
 
 __all__ = ["BLOCK_TOKENS", "SAMPLE_TRACE", "load_trace", "generate_sample_trace", "sample_trace_path"]
 

@@ -1,108 +1,67 @@
-"""Seeded workload generators: every request, token and arrival follows from the options and the seed.
+"""Seeded workload generators and the one workload registry.
 
 A workload is a list of :class:`RequestSpec` in arrival order.  Arrivals are in
 scheduler steps; a follow-up turn of a conversation arrives ``think`` steps after
 the previous turn finished, so its arrival is decided by the serving loop.
 ``Workload.digest`` is a sha256 over every field of every request, so two runs
 can be shown to have done the same work.
+
+:data:`WORKLOADS` is the registry: the CLI's choices and help, the docs table and
+:func:`make_workload` all read it.  Every generator is registered with
+:func:`register_workload`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
-from array import array
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
-import torch
+from kvcore.bench.spec import VOCAB, RequestSpec, TokenSource, Workload
+from kvcore.bench.trace import load_trace
 
-__all__ = ["RequestSpec", "Workload", "WORKLOADS", "DEFAULT_NUM_REQUESTS", "make_workload", "TokenSource"]
+__all__ = [
+    "RequestSpec", "Workload", "TokenSource", "VOCAB", "WorkloadDef", "WORKLOADS", "DEFAULT_NUM_REQUESTS",
+    "register_workload", "make_workload", "default_workload", "workloads_table",
+]
 
-VOCAB = 32000
 
+@dataclass(frozen=True)
+class WorkloadDef:
+    """One registered workload.
 
-@dataclass(slots=True)
-class RequestSpec:
-    """One request: its prompt, the tokens it will generate, and when it arrives.
-
-    ``session_id`` groups the turns of one conversation; ``turn`` counts from 0 and
-    a follow-up turn (turn > 0) arrives ``think`` steps after the previous turn of
-    its conversation finished (``arrival`` is then unused).  ``last_turn`` closes the
-    conversation.
+    ``build(num_requests, seed, trace, step_ms)`` makes it (``num_requests`` None:
+    the default); ``default_num_requests`` None means "all of the input";
+    ``favours``: a backend config option; when every backend of a run has it and no
+    workload is given, this workload runs (long-decode shows what window freeing saves).
     """
 
-    rid: str
-    arrival: int
-    prompt: list[int]
-    output: list[int]
-    session_id: str | None = None
-    turn: int = 0
-    think: int = 0
-    last_turn: bool = True
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-
-@dataclass
-class Workload:
     name: str
-    seed: int
-    requests: list[RequestSpec]
-    params: dict[str, Any] = field(default_factory=dict)
-    _digest: str | None = None
-
-    @property
-    def digest(self) -> str:
-        if self._digest is None:
-            h = hashlib.sha256()
-            h.update(f"{self.name}\x00{self.seed}\x00{len(self.requests)}\x00".encode())
-            for r in self.requests:
-                h.update(
-                    f"{r.rid}\x00{r.arrival}\x00{r.session_id}\x00{r.turn}\x00{r.think}\x00{int(r.last_turn)}"
-                    f"\x00{len(r.prompt)}\x00{len(r.output)}\x00".encode()
-                )
-                h.update(array("q", r.prompt).tobytes())
-                h.update(array("q", r.output).tobytes())
-            self._digest = h.hexdigest()
-        return self._digest
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(r.prompt) for r in self.requests)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(len(r.output) for r in self.requests)
-
-    @property
-    def max_total_len(self) -> int:
-        return max((r.total_len for r in self.requests), default=1)
+    default_num_requests: int | None
+    summary: str
+    build: Callable[[int | None, int, "str | None", float], Workload]
+    takes_trace: bool = False
+    favours: str | None = None
 
 
-class TokenSource:
-    """Hands out fresh random token ids from one seeded torch generator, in bulk."""
+WORKLOADS: dict[str, WorkloadDef] = {}
 
-    def __init__(self, seed: int, block: int = 1 << 16):
-        self._gen = torch.Generator().manual_seed(seed)
-        self._block = block
-        self._buf: list[int] = []
-        self._pos = 0
 
-    def take(self, n: int) -> list[int]:
-        if n <= 0:
-            return []
-        if self._pos + n > len(self._buf):
-            rest = self._buf[self._pos :]
-            size = max(self._block, n)
-            self._buf = rest + torch.randint(1, VOCAB, (size,), generator=self._gen).tolist()
-            self._pos = 0
-        out = self._buf[self._pos : self._pos + n]
-        self._pos += n
-        return out
+def register_workload(name: str, default_num_requests: int | None, summary: str, *, takes_trace: bool = False,
+                      favours: str | None = None):
+    """Decorator: register ``fn(num_requests, seed)`` (or, with ``takes_trace``, the full build signature)."""
+
+    def deco(fn):
+        if takes_trace:
+            build = fn
+        else:
+            def build(n, seed, trace, step_ms, _fn=fn, _default=default_num_requests):
+                return _fn(n or _default, seed)
+        WORKLOADS[name] = WorkloadDef(name, default_num_requests, summary, build, takes_trace, favours)
+        return fn
+
+    return deco
 
 
 def _arrivals(rng: random.Random, n: int, rate: float) -> list[int]:
@@ -115,6 +74,11 @@ def _arrivals(rng: random.Random, n: int, rate: float) -> list[int]:
     return out
 
 
+@register_workload(
+    "shared-prefix", 500,
+    "up to 16 system prompts of 512-1536 tokens (one per 8 requests), each request adds a 32-256 token suffix, "
+    "outputs 32-384; 4 arrivals/step",
+)
 def _shared_prefix(n: int, seed: int) -> Workload:
     p = dict(groups=16, min_group=8, system_prompt=(512, 1536), suffix=(32, 256), output=(32, 384), rate=4.0)
     rng = random.Random(seed)
@@ -129,6 +93,12 @@ def _shared_prefix(n: int, seed: int) -> Workload:
     return Workload("shared-prefix", seed, reqs, p | {"num_groups": num_groups})
 
 
+@register_workload(
+    "multi-turn", 600,
+    "conversations of 2-6 turns over 4 shared system prompts (256-768); each turn is the previous prompt + output "
+    "+ 64-256 new tokens, outputs 32-256, think time 5-60 steps; 0.5 conversations/step. Turns after the first run "
+    "on a streaming session (`--no-sessions` sends them through the tree)",
+)
 def _multi_turn(n: int, seed: int) -> Workload:
     p = dict(
         turns=(2, 6), system_prompts=4, system_prompt=(256, 768), user=(64, 256), output=(32, 256),
@@ -155,6 +125,10 @@ def _multi_turn(n: int, seed: int) -> Workload:
     return Workload("multi-turn", seed, reqs, p | {"conversations": conv})
 
 
+@register_workload(
+    "zipf", 1000,
+    "64 prefixes of 256-2048 tokens picked with Zipf(1.1) popularity, 16-128 token suffixes, outputs 32-256",
+)
 def _zipf(n: int, seed: int) -> Workload:
     p = dict(prefixes=64, exponent=1.1, prefix=(256, 2048), suffix=(16, 128), output=(32, 256), rate=4.0)
     rng = random.Random(seed)
@@ -180,30 +154,31 @@ def _unrelated(name: str, p: dict, n: int, seed: int) -> Workload:
     return Workload(name, seed, reqs, p)
 
 
+@register_workload(
+    "no-reuse", 400, "unique prompts of 256-2048 tokens, outputs 32-256: the miss path and SWA's worst case",
+)
 def _no_reuse(n: int, seed: int) -> Workload:
     return _unrelated("no-reuse", dict(prompt=(256, 2048), output=(32, 256), rate=2.0), n, seed)
 
 
+@register_workload(
+    "long-decode", 128, "prompts of 32-256 tokens, outputs of 1024-2048: where window freeing pays",
+    favours="sliding_window_size",
+)
 def _long_decode(n: int, seed: int) -> Workload:
     return _unrelated("long-decode", dict(prompt=(32, 256), output=(1024, 2048), rate=0.5), n, seed)
 
 
-WORKLOADS: dict[str, Callable[[int, int], Workload]] = {
-    "shared-prefix": _shared_prefix,
-    "multi-turn": _multi_turn,
-    "zipf": _zipf,
-    "no-reuse": _no_reuse,
-    "long-decode": _long_decode,
-}
+@register_workload(
+    "trace", None,
+    "a Mooncake JSONL trace (`--trace FILE`, default the shipped `kvcore/bench/data/mooncake_sample.jsonl`)",
+    takes_trace=True,
+)
+def _trace(num_requests: int | None, seed: int, trace: str | None, step_ms: float) -> Workload:
+    return load_trace(trace, seed=seed, num_requests=num_requests, step_ms=step_ms)
 
-DEFAULT_NUM_REQUESTS = {
-    "shared-prefix": 500,
-    "multi-turn": 600,
-    "zipf": 1000,
-    "no-reuse": 400,
-    "long-decode": 128,
-    "trace": None,  # every line of the trace
-}
+
+DEFAULT_NUM_REQUESTS = {name: w.default_num_requests for name, w in WORKLOADS.items()}
 
 
 def make_workload(name: str, *, seed: int = 0, num_requests: int | None = None, trace: str | None = None,
@@ -211,14 +186,29 @@ def make_workload(name: str, *, seed: int = 0, num_requests: int | None = None, 
     """Build workload ``name``; ``trace`` is a Mooncake JSONL file (default: the shipped sample)."""
     if num_requests is not None and num_requests <= 0:
         raise ValueError(f"--num-requests must be positive, got {num_requests}")
-    if name == "trace":
-        from kvcore.bench.trace import load_trace
-
-        return load_trace(trace, seed=seed, num_requests=num_requests, step_ms=step_ms)
-    if trace is not None:
+    wl = WORKLOADS.get(name)
+    if wl is None:
+        raise ValueError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+    if trace is not None and not wl.takes_trace:
         raise ValueError(f"--trace only goes with --workload trace (got --workload {name})")
-    gen = WORKLOADS.get(name)
-    if gen is None:
-        known = ", ".join([*WORKLOADS, "trace"])
-        raise ValueError(f"unknown workload {name!r}; choose one of: {known}")
-    return gen(num_requests or DEFAULT_NUM_REQUESTS[name], seed)
+    return wl.build(num_requests, seed, trace, step_ms)
+
+
+def workloads_table() -> str:
+    """The registry as the Markdown table in docs/bench.md."""
+    rows = ["| workload | default n | shape |", "|---|---:|---|"]
+    for name, w in WORKLOADS.items():
+        n = "all lines" if w.default_num_requests is None else str(w.default_num_requests)
+        rows.append(f"| `{name}` | {n} | {w.summary} |")
+    return "\n".join(rows)
+
+
+def default_workload(backend_options: list[set[str]], trace: str | None = None) -> str:
+    """The workload a run gets when none is named: ``trace`` with a trace file, else the first workload
+    that every backend's options favour, else the first registered one."""
+    if trace is not None:
+        return next(n for n, w in WORKLOADS.items() if w.takes_trace)
+    for name, w in WORKLOADS.items():
+        if w.favours and backend_options and all(w.favours in opts for opts in backend_options):
+            return name
+    return next(iter(WORKLOADS))

@@ -1,26 +1,23 @@
 """kvcore's conformance suite, shipped with the package so every backend runs it.
 
 A backend author (ours or a third party) subclasses
-:class:`PrefixCacheConformance` in a pytest module and provides a ``make_cache``
-fixture that returns a callable building the backend from options, the way
-fsspec ships its abstract filesystem tests::
+:class:`PrefixCacheConformance` in a pytest module, the way fsspec ships its
+abstract filesystem tests; one line names the registered backend::
 
     # tests/test_conformance.py of a plugin distribution
-    import kvcore
-    import pytest
     from kvcore.testing import PrefixCacheConformance
 
 
     class TestMyCacheConformance(PrefixCacheConformance):
-        supports_prefix_reuse = True          # False: match never hits (chunk-like)
-        page_sizes = (1, 16)                  # page sizes the backend supports
-        backend_options = {"eviction_policy": "lru"}   # passed on every build
+        backend = "my-backend"
 
-        @pytest.fixture
-        def make_cache(self):
-            def build(**options):             # size, page_size, max_num_reqs, max_context_len, ...
-                return kvcore.create_cache("my-backend", **options)
-            return build
+The kit builds it through ``kvcore.create_cache(backend, **options)``; page sizes
+come from the backend's config (``page_size`` default; 1 means ``(1, 16)``), prefix
+reuse from ``cache.is_chunk_cache()``.  Class attributes override them
+(``page_sizes``, ``supports_prefix_reuse``, ``backend_options``), and a
+``make_cache`` fixture override builds a backend the registry does not know.
+Sliding-window backends subclass :class:`kvcore.testing.swa.SWACacheConformance`
+the same way.
 
 Run it with ``pytest --import-mode=importlib``.  The class holds scenario tests
 (no reuse for chunk caches, finished requests cache or free every slot,
@@ -30,11 +27,18 @@ chunked prefill then finish, streaming sessions, reset returns every slot) and a
 hypothesis state machine over match/insert/lock/unlock/evict/admit/prefill
 chunk/decode/finish.  Every test ends with ``kvcore.InvariantChecker``.
 
+Hypothesis budgets follow ``KVCORE_HYPOTHESIS_PROFILE`` (``dev`` by default,
+``ci``, ``long``: see :mod:`kvcore.testing.profiles`), so a long fuzz run is
+``KVCORE_HYPOTHESIS_PROFILE=long pytest -k state_machine``.
+
 The engine-protocol helpers (``make_req``, ``admit``, ``prefill``, ``decode``,
-``finish``, ``run_request``) are reusable by other suites and benchmarks.
+``finish``, ``abort``, ``retract``, ``run_request``, ``alloc_slots``,
+``extend_slots``) are one-call wrappers over :class:`kvcore.engine.Engine`,
+reusable by other suites and benchmarks.
 """
 
 from kvcore.testing.helpers import (
+    abort,
     admit,
     alloc_slots,
     check_invariants,
@@ -44,19 +48,30 @@ from kvcore.testing.helpers import (
     make_req,
     pool_total,
     prefill,
+    retract,
     run_request,
 )
-from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance, snapshot
+from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance, backend_page_sizes, snapshot
+from kvcore.testing.profiles import PROFILE_ENV, PROFILES, current_profile, load_profile
+
+load_profile()
 
 __all__ = [
     "PrefixCacheConformance",
     "CacheStateMachine",
     "snapshot",
+    "backend_page_sizes",
+    "PROFILE_ENV",
+    "PROFILES",
+    "current_profile",
+    "load_profile",
     "make_req",
     "admit",
     "prefill",
     "decode",
     "finish",
+    "abort",
+    "retract",
     "run_request",
     "alloc_slots",
     "extend_slots",

@@ -21,21 +21,36 @@ from kvcore.testing.helpers import (
     prefill,
     run_request,
 )
+from kvcore.testing.profiles import state_machine_settings
 
-__all__ = ["PrefixCacheConformance", "CacheStateMachine", "snapshot"]
+__all__ = ["PrefixCacheConformance", "CacheStateMachine", "snapshot", "backend_page_sizes"]
 
 
 def snapshot(cache) -> tuple:
     """What must not change when a call is refused: sizes, free slots, owned slots."""
-    owned = sorted((o.owner, tuple(o.slots.tolist())) for o in cache.iter_owned_slots())
-    alloc = cache.token_to_kv_pool_allocator
+    owned = sorted((o.pool, o.owner, tuple(o.slots.tolist())) for o in cache.iter_owned_slots())
     return (
         cache.evictable_size(),
         cache.protected_size(),
         cache.total_size(),
-        int(alloc.available_size()),
+        cache.cached_sizes(),
+        [(v.name, v.available()) for v in cache.pools()],
         owned,
     )
+
+
+def backend_page_sizes(backend: str) -> tuple[int, ...]:
+    """The page sizes the kit runs ``backend`` at: its config's default page size, plus 16 when that is 1.
+
+    A backend whose pools come in one page size (npu: 128) declares it as the
+    default of its config model's ``page_size`` field.
+    """
+    from kvcore.plugins import available_backends
+
+    spec = available_backends()[backend]
+    default = spec.config.model_fields["page_size"].default
+    default = int(default) if isinstance(default, int) and default > 0 else 1
+    return (1, 16) if default == 1 else (default,)
 
 
 def _toks(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
@@ -52,8 +67,8 @@ def _insert_owned(cache, key: RadixKey, reuse: bool):
         return None
     res = cache.insert(key, slots[:n])
     # The cache keeps [prefix_len, aligned); duplicates and the partial page are the caller's,
-    # except where the backend frees duplicates itself (SGLang's SWARadixCache does).
-    if cache.insert_frees_duplicates:
+    # except where insert freed the duplicates itself (SGLang's SWARadixCache does).
+    if res.duplicates_freed:
         keep_from = 0
     else:
         keep_from = res.prefix_len if reuse else aligned
@@ -64,40 +79,75 @@ def _insert_owned(cache, key: RadixKey, reuse: bool):
 
 
 class PrefixCacheConformance:
-    """Behaviour every backend must show.  Subclass it in a test module::
+    """Behaviour every backend must show.  Subclass it in a test module, one line::
 
-        import pytest
         from kvcore.testing import PrefixCacheConformance
 
         class TestMyCache(PrefixCacheConformance):
-            supports_prefix_reuse = True      # False for chunk-like caches
-            page_sizes = (1, 16)
+            backend = "mycache"
 
-            @pytest.fixture
-            def make_cache(self):
-                def build(**options):
-                    return kvcore.create_cache("mine", **options)
-                return build
+    The kit builds the backend with ``kvcore.create_cache(backend, size=...,
+    page_size=..., max_num_reqs=..., max_context_len=..., **backend_options)``.
+    Everything else has a default read from the backend, and a class attribute
+    overrides it:
 
-    ``make_cache(**options)`` takes ``size``, ``page_size``, ``max_num_reqs``,
-    ``max_context_len`` (plus ``backend_options``) and returns a built cache.
-    Every test ends with ``kvcore.InvariantChecker``.
+    * ``page_sizes``: the default of the backend config's ``page_size`` field,
+      plus 16 when that is 1 (so ``(1, 16)``; a backend whose config defaults to
+      128 runs at ``(128,)``);
+    * ``supports_prefix_reuse``: ``not cache.is_chunk_cache()``;
+    * ``backend_options``: extra ``create_cache`` options for every build;
+    * ``state_machine_examples`` / ``state_machine_steps``: the hypothesis
+      budget at the ``dev`` profile; ``KVCORE_HYPOTHESIS_PROFILE=ci|long``
+      scales it (``kvcore.testing.profiles``).
+
+    A backend that is not registered (or needs a wrapper) overrides the
+    ``make_cache`` fixture instead: a callable ``make_cache(**options) -> cache``.
+    Every test ends with ``kvcore.InvariantChecker``.  Run with
+    ``pytest --import-mode=importlib``.
     """
 
-    supports_prefix_reuse: bool = True
-    page_sizes: tuple[int, ...] = (1, 16)
+    #: the registered backend name the kit builds (or override ``make_cache``)
+    backend: str | None = None
+    #: None: ``not cache.is_chunk_cache()``
+    supports_prefix_reuse: bool | None = None
+    #: None: from the backend's config (see the class docstring)
+    page_sizes: tuple[int, ...] | None = None
     backend_options: dict = {}
-    # Hypothesis budget of the state machine.
+    # Hypothesis budget of the state machine at the dev profile.
     state_machine_examples: int = 40
     state_machine_steps: int = 30
 
-    # -- fixtures -------------------------------------------------------------
+    # -- parametrization and fixtures --------------------------------------------
 
-    @pytest.fixture(params=[1, 16], ids=lambda p: f"page{p}")
-    def page_size(self, request):
-        if request.param not in request.cls.page_sizes:
-            pytest.skip(f"page_size {request.param} not in {request.cls.__name__}.page_sizes")
-        return request.param
+    @classmethod
+    def conformance_page_sizes(cls) -> tuple[int, ...]:
+        """The page sizes this class runs at: ``page_sizes``, else the backend's."""
+        if cls.page_sizes is not None:
+            return tuple(cls.page_sizes)
+        if cls.backend is not None:
+            return backend_page_sizes(cls.backend)
+        return (1, 16)
+
+    def pytest_generate_tests(self, metafunc) -> None:
+        # pytest calls this for every test of the class: one run per page size.
+        if "page_size" in metafunc.fixturenames:
+            sizes = type(self).conformance_page_sizes()
+            metafunc.parametrize("page_size", sizes, ids=[f"page{p}" for p in sizes])
+
+    @pytest.fixture
+    def make_cache(self) -> Callable[..., Any]:
+        """``make_cache(**options) -> cache``: ``kvcore.create_cache(self.backend, **options)``."""
+        name = self.backend
+        if name is None:
+            raise TypeError(
+                f"{type(self).__name__}: set `backend = \"<registered name>\"` or override the make_cache fixture"
+            )
+        from kvcore.factory import create_cache
+
+        def build(**options):
+            return create_cache(name, **options)
+
+        return build
 
     @pytest.fixture
     def build(self, make_cache, page_size) -> Callable[..., Any]:
@@ -106,13 +156,17 @@ class PrefixCacheConformance:
         def _build(pages: int = 64, rows: int = 8, width_pages: int = 16, **extra):
             opts = dict(self.backend_options)
             opts.update(extra)
-            return make_cache(
+            cache = make_cache(
                 size=pages * page_size,
                 page_size=page_size,
                 max_num_reqs=rows,
                 max_context_len=max(width_pages * page_size, 64),
                 **opts,
             )
+            if self.supports_prefix_reuse is None:
+                # This instance runs one test: settle the trait from the backend itself.
+                self.supports_prefix_reuse = not cache.is_chunk_cache()
+            return cache
 
         return _build
 
@@ -397,7 +451,6 @@ class PrefixCacheConformance:
         check_invariants(cache)
 
     def test_state_machine(self, build, page_size):
-        from hypothesis import HealthCheck, settings
         from hypothesis.stateful import run_state_machine_as_test
 
         reuse = self.supports_prefix_reuse
@@ -406,14 +459,7 @@ class PrefixCacheConformance:
             return CacheStateMachine(build, page_size, reuse)
 
         run_state_machine_as_test(
-            factory,
-            settings=settings(
-                max_examples=self.state_machine_examples,
-                stateful_step_count=self.state_machine_steps,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                derandomize=True,
-            ),
+            factory, settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps)
         )
 
 
@@ -434,11 +480,11 @@ else:
         teardown finishes everything, resets, and proves every slot is back.
         """
 
-        def __init__(self, build, page_size: int, reuse: bool):
+        def __init__(self, build, page_size: int, reuse: bool | None = None):
             super().__init__()
             self.page = page_size
-            self.reuse = reuse
             self.cache = build(pages=48, rows=6, width_pages=12)
+            self.reuse = (not self.cache.is_chunk_cache()) if reuse is None else reuse
             self.total = pool_total(self.cache)
             self.rows = self.cache.req_to_token_pool.size
             self.live: list = []

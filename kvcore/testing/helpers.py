@@ -1,16 +1,21 @@
-"""Small drivers that follow the engine protocol of docs/CONTRACT-NOTES.md.
+"""One-call engine steps for tests: thin wrappers over :class:`kvcore.engine.Engine`.
 
-Each helper does what an engine does for one request step, on the pools the
-cache itself exposes (``req_to_token_pool``, ``token_to_kv_pool_allocator``), so
-the conformance suite, the SWA suite and benchmarks drive every backend the
-same way:
+Each helper builds an ``Engine(cache, cache_prompt=False, release_idle_sessions=False)``
+and does one step of the engine protocol (see ``kvcore.engine``), so the
+conformance suite, the SWA suite and the benchmarks drive every backend the
+same way::
 
     req = make_req("r1", [1, 2, 3, 4, 5])
     admit(cache, req)            # match_prefix, lock, take a row, write the prefix
-    prefill(cache, req, upto=3)  # a chunk: allocate, commit, cache_unfinished_req
+    prefill(cache, req, upto=3)  # a chunk: allocate, commit, cache_unfinished_req(chunked=True)
     prefill(cache, req)          # the rest of the prompt
-    decode(cache, req, 2)        # two generated tokens
+    decode(cache, req, 2)        # two generated tokens (window free first, one slot each)
     finish(cache, req)           # kvcore.release_kv_cache
+
+Unlike ``Engine`` (whose default follows SGLang's scheduler), ``prefill`` does
+not put a completed prompt in the cache: it goes in at ``finish``.  The helpers
+keep no state between calls (idle sessions are not tracked); use an ``Engine``
+for that.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from kvcore.keys import RadixKey
-from kvcore.record import Req, ceil_align
+from kvcore.engine import Engine
+from kvcore.record import Req
 
 __all__ = [
     "make_req",
@@ -28,12 +33,23 @@ __all__ = [
     "prefill",
     "decode",
     "finish",
+    "abort",
+    "retract",
     "run_request",
     "alloc_slots",
     "extend_slots",
     "check_invariants",
     "pool_total",
+    "engine",
 ]
+
+#: the token ``decode`` appends when none is given
+DEFAULT_TOKEN = 7
+
+
+def engine(cache) -> Engine:
+    """The engine the helpers drive ``cache`` with: no prompt caching at prefill, no automatic session release."""
+    return Engine(cache, cache_prompt=False, release_idle_sessions=False)
 
 
 def make_req(
@@ -49,15 +65,8 @@ def make_req(
 
 
 def alloc_slots(cache, n: int) -> torch.Tensor | None:
-    """``n`` slots (page-aligned ``n`` when paged), evicting from the cache once if short."""
-    if n <= 0:
-        return torch.empty((0,), dtype=torch.int64)
-    allocator = cache.token_to_kv_pool_allocator
-    slots = allocator.alloc(n)
-    if slots is None:
-        cache.evict(n)
-        slots = allocator.alloc(n)
-    return slots
+    """``n`` slots (page-aligned ``n`` when paged), after ``cache.make_room(n)`` once if short; None if still short."""
+    return engine(cache).alloc_slots(n)
 
 
 def extend_slots(cache, req: Req, end: int) -> bool:
@@ -66,37 +75,7 @@ def extend_slots(cache, req: Req, end: int) -> bool:
     With pages, positions inside the last partial page reuse that page (SGLang's
     rule: fill the partial page first, then whole new pages).
     """
-    kv = req.kv
-    start = kv.kv_allocated_len
-    if end <= start:
-        return True
-    if end > cache.req_to_token_pool.max_context_len:
-        raise ValueError(f"request {req.rid!r}: {end} tokens exceed the row width {cache.req_to_token_pool.max_context_len}")
-    page = cache.page_size
-    row = cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
-    parts = []
-    pos = start
-    if page > 1 and pos % page:
-        fill_to = min(end, ceil_align(pos, page))
-        last = int(row[pos - 1])
-        parts.append(torch.arange(last + 1, last + 1 + fill_to - pos, dtype=torch.int64))
-        pos = fill_to
-    rest = end - pos
-    if rest > 0:
-        slots = alloc_slots(cache, ceil_align(rest, page))
-        if slots is None:
-            return False
-        parts.append(slots[:rest].to(torch.int64).cpu())
-    new = parts[0] if len(parts) == 1 else torch.cat(parts)
-    row[start:end] = new.to(device=row.device, dtype=row.dtype)
-    kv.kv_allocated_len = end
-    return True
-
-
-def _match(cache, key: RadixKey, req: Req):
-    if req.session_id is not None and hasattr(cache, "try_match_prefix"):
-        return cache.match_prefix(key, req)
-    return cache.match_prefix(key)
+    return engine(cache).extend_slots(req, end)
 
 
 def admit(cache, req: Req, max_prefix_len: int | None = None) -> bool:
@@ -104,33 +83,7 @@ def admit(cache, req: Req, max_prefix_len: int | None = None) -> bool:
 
     ``max_prefix_len`` defaults to ``len(fill_ids) - 1`` (SGLang leaves one token to compute).
     """
-    pool = cache.req_to_token_pool
-    fill = req.fill_ids
-    n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
-    n = max(n, 0)
-    if not req.kv.is_held and pool.available_size() == 0:
-        return False
-    held_before = req.kv.is_held
-    m = _match(cache, RadixKey(fill[:n], req.extra_key), req)
-    restored = not held_before and req.kv.is_held
-    prefix = m.device_indices
-    plen = int(prefix.shape[0])
-    req.prefix_indices = prefix
-    req.last_node = m.last_device_node
-    req.lock = cache.inc_lock_ref(req.last_node)
-    if pool.alloc([req]) is None:
-        cache.dec_lock_ref(req.last_node, req.lock)
-        req.last_node = req.lock = None
-        return False
-    kv = req.kv
-    if restored:
-        # A streaming session handed its record back: the row already holds the prefix.
-        return True
-    if plen:
-        pool.req_to_token[kv.req_pool_idx, :plen] = prefix.to(pool.req_to_token.dtype)
-    kv.cache_protected_len = plen
-    kv.kv_committed_len = kv.kv_allocated_len = plen
-    return True
+    return engine(cache).admit(req, max_prefix_len)
 
 
 def prefill(cache, req: Req, upto: int | None = None, *, chunked: bool | None = None) -> bool:
@@ -140,38 +93,21 @@ def prefill(cache, req: Req, upto: int | None = None, *, chunked: bool | None = 
     prefix goes to the cache through ``kvcore.cache_unfinished_req``.  False, with
     nothing changed, when slots run short even after evicting.
     """
-    from kvcore.release import cache_unfinished_req
-
-    end = len(req.fill_ids) if upto is None else min(upto, len(req.fill_ids))
-    if not extend_slots(cache, req, end):
-        return False
-    kv = req.kv
-    kv.kv_committed_len = max(kv.kv_committed_len, end)
-    if chunked is None:
-        chunked = end < len(req.fill_ids)
-    if chunked:
-        cache_unfinished_req(req, cache, chunked=True)
-    return True
+    return engine(cache).extend(req, upto, chunked=chunked)
 
 
 def decode(cache, req: Req, n: int = 1, tokens: Iterable[int] | None = None) -> int:
-    """Engine step 3: generate ``n`` tokens (default token: ``7``); returns how many got slots.
+    """Engine step 3: generate ``n`` tokens (default token: ``7``) one step at a time; returns how many got slots.
 
-    SWA backends also free what left the window (``kvcore.free_swa_out_of_window_slots``).
+    Each step frees what left the window first (``cache.free_window_slots``).
     """
-    toks = list(tokens) if tokens is not None else [7] * n
+    toks = list(tokens) if tokens is not None else [DEFAULT_TOKEN] * n
+    eng = engine(cache)
     done = 0
-    kv = req.kv
     for tok in toks[:n]:
-        if not extend_slots(cache, req, kv.kv_allocated_len + 1):
+        if not eng.decode([req], [tok]):
             break
-        req.output_ids.append(tok)
-        kv.kv_committed_len = kv.kv_allocated_len
         done += 1
-        if cache.supports_swa() and getattr(cache, "sliding_window_size", None):
-            from kvcore.release import free_window_slots
-
-            free_window_slots(cache, [req], [req.seqlen - 1])
     return done
 
 
@@ -181,33 +117,34 @@ def finish(cache, req: Req, is_insert: bool = True) -> None:
     A request admitted with nothing allocated (no prefix hit, prefill never ran) is
     aborted instead: its lock and row go back, as an engine does for a dropped request.
     """
-    from kvcore.release import release_kv_cache
+    engine(cache).finish(req, is_insert)
 
-    kv = req.kv
-    if kv.is_held and kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
-        if req.last_node is not None:
-            cache.dec_lock_ref(req.last_node, req.lock)
-        req.last_node = req.lock = None
-        cache.req_to_token_pool.free(req)
-        return
 
-    release_kv_cache(req, cache, is_insert)
+def abort(cache, req: Req) -> None:
+    """Give back everything ``req`` holds without caching any of it (``Engine.abort``)."""
+    engine(cache).abort(req)
+
+
+def retract(cache, req: Req) -> None:
+    """Abort ``req`` and reset its record for recompute, keeping ``swa_evict_floor`` (``Engine.retract``)."""
+    engine(cache).retract(req)
 
 
 def run_request(cache, req: Req, *, chunk: int | None = None, decode_tokens: int = 0) -> bool:
     """Admit, prefill (in ``chunk``-token chunks), decode and finish one request."""
-    if not admit(cache, req):
+    eng = engine(cache)
+    if not eng.admit(req):
         return False
     ok = True
     total = len(req.fill_ids)
     if chunk:
         while ok and req.kv.kv_committed_len < total:
-            ok = prefill(cache, req, req.kv.kv_committed_len + chunk)
+            ok = eng.extend(req, req.kv.kv_committed_len + chunk)
     else:
-        ok = prefill(cache, req)
+        ok = eng.extend(req)
     if ok and decode_tokens:
         decode(cache, req, decode_tokens)
-    finish(cache, req)
+    eng.finish(req)
     return ok
 
 
@@ -219,7 +156,5 @@ def check_invariants(cache, owners: Iterable[Any] = ()) -> list:
 
 
 def pool_total(cache) -> int:
-    """Usable token slots of the (full) pool."""
-    alloc = cache.token_to_kv_pool_allocator
-    full = getattr(alloc, "full_attn_allocator", alloc)
-    return int(full.size)
+    """Usable token slots of the ``full`` pool (the first pool ``cache.pools()`` lists)."""
+    return cache.pools()[0].capacity

@@ -1,20 +1,19 @@
 """Conformance scenarios for sliding-window-attention backends.
 
 :class:`SWACacheConformance` extends :class:`kvcore.testing.PrefixCacheConformance`
-(so the generic scenarios run too).  Subclass it in a test module and provide a
-``make_cache`` fixture: a callable ``make_cache(**options) -> cache`` that builds
-the backend under test from the common options plus ``sliding_window_size`` and
-``swa_size``::
+(so the generic scenarios run too).  Subclass it in a test module, one line::
 
     class TestMySWA(SWACacheConformance):
-        supports_prefix_reuse = True      # False for chunk-like caches
-        page_sizes = (1, 16)
+        backend = "my-swa"
 
-        @pytest.fixture
-        def make_cache(self):
-            def build(**options):
-                return kvcore.create_cache("my-swa", **options)
-            return build
+The kit builds the backend with the common options plus ``sliding_window_size``
+and ``swa_size``; page sizes, prefix reuse and the hypothesis budget come from
+the backend and the profile as in the generic kit.  A backend under this kit
+runs on two pools, ``full`` and a ``windowed`` one (``cache.pools()``), and
+implements SGLang's SWA names: ``sliding_window_size``, ``evict(num_tokens,
+swa_num_tokens)``, ``full_/swa_`` evictable and protected sizes and
+``dec_swa_lock_only(node, lock)``.  Override :meth:`SWACacheConformance.self_check`
+to run a backend's own consistency check after every step.
 
 Scenarios: out-of-window freeing during decode (both pools bounded and balanced),
 retraction, chunked prefill, streaming sessions, a seeded mixed workload, and for
@@ -34,13 +33,14 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+from kvcore.engine import Engine
 from kvcore.invariants import InvariantChecker
 from kvcore.keys import RadixKey
 from kvcore.record import Req, floor_align
-from kvcore.release import cache_unfinished_req, free_window_slots, release_kv_cache
 from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance
+from kvcore.testing.profiles import state_machine_settings
 
-__all__ = ["SWACacheConformance", "SWACacheStateMachine", "SWAEngine", "window_slots_held"]
+__all__ = ["SWACacheConformance", "SWACacheStateMachine", "SWAEngine", "window_slots_held", "pool_available"]
 
 
 def window_slots_held(kv) -> int:
@@ -50,108 +50,88 @@ def window_slots_held(kv) -> int:
     return max(0, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
 
 
-class SWAEngine:
-    """A minimal engine that drives a cache through kvcore's engine protocol.
+def pool_available(cache) -> dict[str, int]:
+    """Free slots per pool name (``cache.pools()``)."""
+    return {v.name: v.available() for v in cache.pools()}
 
-    admit (match, lock, row), prefill in chunks (``cache_unfinished_req`` between
-    chunks), decode one token at a time (``free_swa_out_of_window_slots`` after
-    each), finish or retract (``release_kv_cache``).
+
+class SWAEngine:
+    """A test engine over :class:`kvcore.engine.Engine` that keeps the requests alive now.
+
+    admit (match the whole ``fill_ids``, lock, row), prefill in chunks
+    (``cache_unfinished_req`` between chunks; a chunk cache frees its window after
+    each), decode one token at a time (the window free after each), finish
+    (``release_kv_cache``).  Running out of rows or slots raises.  With
+    ``release_window_lock_after=N`` a request drops the window part of its tree lock
+    (``dec_swa_lock_only``) after N decoded tokens, as SGLang does with
+    ``SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW``.  ``sanity_check()``, when
+    given, runs after every ``check``.
     """
 
-    def __init__(self, cache, *, release_window_lock_after: Optional[int] = None):
+    def __init__(
+        self,
+        cache,
+        *,
+        release_window_lock_after: Optional[int] = None,
+        sanity_check: Optional[Callable[[], Any]] = None,
+    ):
         self.cache = cache
+        self.engine = Engine(cache, cache_prompt=False, release_idle_sessions=False)
         self.checker = InvariantChecker(cache)
         self.live: list[Req] = []
         self.release_window_lock_after = release_window_lock_after
+        self.sanity_check = sanity_check
         self._decoded: dict[int, int] = {}
 
     @property
     def page_size(self) -> int:
-        return self.cache.page_size
+        return self.engine.page_size
 
     def check(self, extra=()) -> list:
         reports = self.checker.check(owners=list(self.live) + list(extra))
-        sanity = getattr(self.cache, "sanity_check", None)
-        if sanity is not None:
-            sanity()
+        if self.sanity_check is not None:
+            self.sanity_check()
         return reports
 
     def admit(self, req: Req, match=None) -> Req:
-        cache = self.cache
-        key = RadixKey(req.fill_ids, req.extra_key)
-        m = cache.match_prefix(key, req) if req.session_id is not None else cache.match_prefix(key)
-        req.prefix_indices = m.device_indices
-        req.last_node = m.last_device_node
-        n = int(m.device_indices.numel())
-        kv = req.kv
-        if req.session_id is not None and kv.is_held:
-            # A session handed its record back: positions [0, n) are already in the row.
-            pass
-        else:
-            kv.cache_protected_len = n
-            req.lock = cache.inc_lock_ref(req.last_node)
-            if cache.req_to_token_pool.alloc([req]) is None:
-                raise RuntimeError("no req_to_token row left")
-            if n:
-                cache.req_to_token_pool.req_to_token[kv.req_pool_idx, :n] = m.device_indices.to(torch.int32)
-            kv.kv_committed_len = kv.kv_allocated_len = n
+        if not self.engine.admit(req, len(req.fill_ids)):
+            raise RuntimeError("no req_to_token row left")
         self.live.append(req)
         self._decoded[id(req)] = 0
         return req
 
-    def _alloc(self, req: Req, end: int) -> None:
-        cache = self.cache
-        kv = req.kv
-        start = kv.kv_allocated_len
-        if end <= start:
-            return
-        alloc = cache.token_to_kv_pool_allocator
-        row = cache.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        if self.page_size == 1:
-            slots = alloc.alloc(end - start)
-        else:
-            last = int(row[start - 1]) if start else -1
-            slots = alloc.alloc_extend([start], [start], [end], [end], [last], end - start)
-        if slots is None:
-            cache.evict(end - start + self.page_size, end - start + self.page_size)
-            if self.page_size == 1:
-                slots = alloc.alloc(end - start)
-            else:
-                slots = alloc.alloc_extend([start], [start], [end], [end], [last], end - start)
-        if slots is None:
-            raise MemoryError(f"cannot allocate {end - start} slots for {req.rid!r}")
-        row[start:end] = slots.to(torch.int32)
-        kv.kv_allocated_len = kv.kv_committed_len = end
-
     def prefill(self, req: Req, chunk: Optional[int] = None) -> None:
         """Compute the prompt (all of ``fill_ids``) in chunks of ``chunk`` tokens."""
+        eng = self.engine
         total = req.seqlen
         chunk = chunk or total
         while req.kv.kv_allocated_len < total:
             end = min(total, req.kv.kv_allocated_len + chunk)
-            self._alloc(req, end)
+            if not eng.extend(req, end, chunked=end < total):
+                raise MemoryError(f"cannot allocate slots up to {end} for {req.rid!r}")
             if self.cache.is_chunk_cache():
-                self._free_window(req)
-            if end < total:
-                cache_unfinished_req(req, self.cache, chunked=True)
-
-    def _free_window(self, req: Req) -> None:
-        free_window_slots(self.cache, [req])
+                eng.free_window([req])
 
     def decode(self, req: Req, token: int) -> None:
-        req.output_ids.append(token)
-        self._alloc(req, req.kv.kv_allocated_len + 1)
-        self._free_window(req)
+        eng = self.engine
+        if not eng.decode([req], [token], free_window=False):
+            raise MemoryError(f"cannot allocate a decode slot for {req.rid!r}")
+        eng.free_window([req])
         n = self._decoded[id(req)] = self._decoded.get(id(req), 0) + 1
         after = self.release_window_lock_after
-        if after is not None and n == after and hasattr(self.cache, "dec_swa_lock_only"):
+        if after is not None and n == after:
             lock = req.lock
             if req.last_node is not None and lock is not None and not (lock.extras or {}).get("swa_released"):
                 self.cache.dec_swa_lock_only(req.last_node, lock)
 
     def finish(self, req: Req, is_insert: bool = True) -> None:
         self.live.remove(req)
-        release_kv_cache(req, self.cache, is_insert=is_insert)
+        self.engine.finish(req, is_insert)
+
+    def retract(self, req: Req) -> None:
+        """Give everything back for recompute (``Engine.retract``)."""
+        self.live.remove(req)
+        self.engine.retract(req)
 
     def run(self, prompt: list[int], decode: list[int] = (), rid: str = "r", **kw) -> Req:
         req = self.admit(Req(rid, list(prompt), **kw))
@@ -175,13 +155,18 @@ else:
         ``sanity_check()`` recounts its sizes and LRU orders.
         """
 
+        def __init__(self, build, page_size: int, reuse: bool | None = None,
+                     self_check: Optional[Callable[[Any], Any]] = None):
+            super().__init__(build, page_size, reuse)
+            self.self_check = self_check
+
         @rule(n=st.integers(0, 120), m=st.integers(0, 120))
         def evict_both(self, n, m):
             cache = self.cache
-            a = cache.token_to_kv_pool_allocator
-            before = (a.full_available_size(), a.swa_available_size())
+            before = pool_available(cache)
             res = cache.evict(n, m)
-            assert (a.full_available_size() - before[0], a.swa_available_size() - before[1]) == (
+            after = pool_available(cache)
+            assert (after["full"] - before["full"], after["swa"] - before["swa"]) == (
                 res.num_tokens_evicted,
                 res.swa_num_tokens_evicted,
             )
@@ -193,15 +178,14 @@ else:
             node, lock = holders[i % len(holders)]
             if node is None or lock is None or (lock.extras or {}).get("swa_released"):
                 return
-            if not hasattr(self.cache, "dec_swa_lock_only") or self.cache.is_chunk_cache():
+            if self.cache.is_chunk_cache():
                 return
             self.cache.dec_swa_lock_only(node, lock)
 
         @rule()
         def sanity(self):
-            check = getattr(self.cache, "sanity_check", None)
-            if check is not None:
-                check()
+            if self.self_check is not None:
+                self.self_check(self.cache)
 
 
 def _toks(n: int, start: int) -> list[int]:
@@ -209,7 +193,7 @@ def _toks(n: int, start: int) -> list[int]:
 
 
 class SWACacheConformance(PrefixCacheConformance):
-    """SWA scenarios every sliding-window backend passes; subclass it with ``make_cache``."""
+    """SWA scenarios every sliding-window backend passes; subclass it with ``backend = "name"``."""
 
     #: the generic scenarios build caches with these (a window of 8 tokens; swa_size defaults to size)
     backend_options: dict = {"sliding_window_size": 8}
@@ -238,6 +222,13 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ helpers
 
+    def self_check(self, cache) -> None:
+        """The backend's own consistency check, run after every engine check; override it (default: none)."""
+
+    def swa_engine(self, cache, **kw) -> SWAEngine:
+        """An :class:`SWAEngine` over ``cache`` whose ``check`` also runs :meth:`self_check`."""
+        return SWAEngine(cache, sanity_check=lambda: self.self_check(cache), **kw)
+
     @staticmethod
     def _tree_only(cache) -> None:
         if cache.is_chunk_cache():
@@ -245,36 +236,39 @@ class SWACacheConformance(PrefixCacheConformance):
 
     @staticmethod
     def _pool_deltas(cache, before):
-        a = cache.token_to_kv_pool_allocator
-        return a.full_available_size() - before[0], a.swa_available_size() - before[1]
+        now = SWACacheConformance._avail(cache)
+        return now[0] - before[0], now[1] - before[1]
 
     @staticmethod
     def _avail(cache):
-        a = cache.token_to_kv_pool_allocator
-        return a.full_available_size(), a.swa_available_size()
+        a = pool_available(cache)
+        return a["full"], a["swa"]
 
     # ------------------------------------------------------------------ traits and sizes
 
     def test_swa_traits(self, swa_cache):
         cache = swa_cache()
-        assert cache.supports_swa()
+        views = cache.pools()
+        assert [v.name for v in views][:2] == ["full", "swa"]
+        assert not views[0].windowed and views[1].windowed
+        assert set(cache.cached_sizes()) >= {"full", "swa"}
         assert cache.sliding_window_size == 2 * cache.page_size
-        for name in ("full_evictable_size", "swa_evictable_size", "full_protected_size", "swa_protected_size"):
-            assert getattr(cache, name)() == 0
+        sizes = (cache.full_evictable_size(), cache.swa_evictable_size(), cache.full_protected_size(), cache.swa_protected_size())
+        assert sizes == (0, 0, 0, 0)
         res = cache.evict(0, 0)
         assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 0)
         with pytest.raises(ValueError):
             cache.evict(-1)
         with pytest.raises(ValueError):
             cache.evict(0, -1)
-        SWAEngine(cache).check()
+        self.swa_engine(cache).check()
 
     # ------------------------------------------------------------------ decode frees the window
 
     def test_swa_decode_frees_out_of_window_slots(self, swa_cache):
         cache = swa_cache()
         p, w = cache.page_size, cache.sliding_window_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         reqs = [eng.admit(Req(f"r{i}", _toks(3 * p + i, 1000 * i))) for i in range(3)]
         for r in reqs:
             eng.prefill(r)
@@ -296,14 +290,13 @@ class SWACacheConformance(PrefixCacheConformance):
             # The decoded tails went into the tree, their out-of-window part as tombstones.
             assert cache.full_evictable_size() > cache.swa_evictable_size()
         cache.evict(10**9, 10**9)
-        a = cache.token_to_kv_pool_allocator
-        assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+        assert all(v.available() == v.capacity for v in cache.pools())
         eng.check()
 
     def test_swa_retract_mid_decode(self, swa_cache):
         cache = swa_cache()
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         base = eng.run(_toks(4 * p, 0), rid="base")
         eng.finish(base)
         r = eng.run(_toks(4 * p, 0) + _toks(p + 1, 500), _toks(5 * p, 900), rid="victim")
@@ -320,7 +313,7 @@ class SWACacheConformance(PrefixCacheConformance):
     def test_swa_chunked_prefill(self, swa_cache):
         cache = swa_cache()
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         r = eng.admit(Req("chunky", _toks(10 * p + p // 2 + 1, 50)))
         eng.prefill(r, chunk=3 * p)
         eng.check()
@@ -347,7 +340,7 @@ class SWACacheConformance(PrefixCacheConformance):
         inner = swa_cache()
         session = StreamingSession(inner)
         p = inner.page_size
-        eng = SWAEngine(session)
+        eng = self.swa_engine(session)
         t1 = eng.run(_toks(3 * p, 10), _toks(4 * p, 300), rid="t1", session_id="s")
         eng.finish(t1)
         eng.check()
@@ -363,15 +356,14 @@ class SWACacheConformance(PrefixCacheConformance):
         session.release_session("s")
         eng.check()
         inner.evict(10**9, 10**9)
-        a = inner.token_to_kv_pool_allocator
-        assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+        assert all(v.available() == v.capacity for v in inner.pools())
         eng.check()
 
     def test_swa_random_workload(self, swa_cache):
         """Mixed shared prefixes, chunked prefill, decode, early window unlock, evictions, retracts."""
         cache = swa_cache(window_pages=1.5, size=512 * 16, swa_size=96 * 16)
         p = cache.page_size
-        eng = SWAEngine(cache, release_window_lock_after=cache.sliding_window_size)
+        eng = self.swa_engine(cache, release_window_lock_after=cache.sliding_window_size)
         rng = random.Random(1234 + p)
         bases = [_toks(5 * p, 0), _toks(3 * p, 0) + _toks(3 * p, 200), _toks(4 * p, 400)]
         for it in range(60):
@@ -386,10 +378,9 @@ class SWACacheConformance(PrefixCacheConformance):
                     eng.decode(r, rng.randrange(50))
             eng.check()
             if rng.random() < 0.25:
-                a = cache.token_to_kv_pool_allocator
-                before = (a.full_available_size(), a.swa_available_size())
+                before = self._avail(cache)
                 res = cache.evict(rng.randrange(3 * p), rng.randrange(3 * p))
-                assert (a.full_available_size() - before[0], a.swa_available_size() - before[1]) == (
+                assert self._pool_deltas(cache, before) == (
                     res.num_tokens_evicted,
                     res.swa_num_tokens_evicted,
                 )
@@ -430,7 +421,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size  # W = 2P
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         key_b, key_c = self._two_branches(cache, eng)
         self._tombstone_shared_prefix(cache, key_b, key_c)
         eng.check()
@@ -463,13 +454,13 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.match_prefix(RadixKey(key[: 8 * p])).prefix_len == 8 * p
         assert cache.match_prefix(RadixKey(key[: 5 * p])).prefix_len == 4 * p
         assert cache.match_prefix(RadixKey(key + [1, 2])).prefix_len == 10 * p
-        SWAEngine(cache).check()
+        self.swa_engine(cache).check()
 
     def test_swa_heal_tombstone(self, swa_cache):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         key_b, key_c = self._two_branches(cache, eng)
         self._tombstone_shared_prefix(cache, key_b, key_c)
         assert cache.match_prefix(RadixKey(key_b[: 4 * p] + _toks(p, 4242))).prefix_len == 0
@@ -486,7 +477,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         key_b, key_c = self._two_branches(cache, eng)
         self._tombstone_shared_prefix(cache, key_b, key_c)
         holder = eng.admit(Req("holder", key_b + [1]))  # locks B (window) and A (full only)
@@ -526,7 +517,7 @@ class SWACacheConformance(PrefixCacheConformance):
         d_full, d_swa = self._pool_deltas(cache, before)
         assert d_full == 8 * p and d_swa == 4 * p
         assert cache.swa_evictable_size() == 8 * p
-        SWAEngine(cache).check()
+        self.swa_engine(cache).check()
 
     def test_swa_insert_all_dead_tail_is_not_kept(self, swa_cache):
         cache = swa_cache()
@@ -539,7 +530,7 @@ class SWACacheConformance(PrefixCacheConformance):
         # A leaf may not be a tombstone: nothing is kept, and the window side is released too.
         assert cache.full_evictable_size() == 0 and cache.swa_evictable_size() == 0
         assert self._pool_deltas(cache, before) == (4 * p, 4 * p)
-        SWAEngine(cache).check()
+        self.swa_engine(cache).check()
 
     # ------------------------------------------------------------------ locks
 
@@ -558,13 +549,13 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()  # W = 2P
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         key = self._chain(cache, eng)
         m = cache.match_prefix(RadixKey(key))
         assert m.prefix_len == 6 * p
         lock = cache.inc_lock_ref(m.last_device_node)
         assert lock.delta == 6 * p
-        assert lock.swa_stop is not None
+        assert lock.stop is not None
         assert cache.full_protected_size() == 6 * p and cache.swa_protected_size() == 2 * p
         # Window eviction may take the window of the unlocked upper nodes, not the locked tail.
         res = cache.evict(0, 10**6)
@@ -575,13 +566,13 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
         with pytest.raises(ValueError):
             cache.dec_lock_ref(m.last_device_node, lock)
-        SWAEngine(cache).check()
+        self.swa_engine(cache).check()
 
     def test_swa_window_lock_survives_a_split(self, swa_cache):
         cache = swa_cache(window_pages=3)  # W = 3P: the lock covers the leaf and the middle node
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         key = self._chain(cache, eng)
         m = cache.match_prefix(RadixKey(key))
         lock = cache.inc_lock_ref(m.last_device_node)
@@ -592,13 +583,13 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.swa_protected_size() == 4 * p
         cache.dec_lock_ref(m.last_device_node, lock)
         assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
-        SWAEngine(cache).check()
+        self.swa_engine(cache).check()
 
     def test_swa_early_window_unlock(self, swa_cache):
         cache = swa_cache()
         self._tree_only(cache)
         p, w = cache.page_size, cache.sliding_window_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         prompt = _toks(4 * p, 0)
         eng.finish(eng.run(prompt, rid="warm"))
         r = eng.run(prompt + [1], rid="long")
@@ -624,7 +615,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         eng.finish(eng.run(_toks(4 * p, 0), rid="x"))
         m = cache.match_prefix(RadixKey(_toks(4 * p, 0)))
         sizes = cache.cached_sizes()
@@ -639,7 +630,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         self._two_branches(cache, eng)
         before = self._avail(cache)
         res = cache.evict(p, 0)
@@ -662,7 +653,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         key_b, key_c = self._two_branches(cache, eng)
         self._tombstone_shared_prefix(cache, key_b, key_c)
         res = cache.evict(8 * p, 0)  # both leaves, then the tombstone they uncover
@@ -676,7 +667,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         eng.finish(eng.run(_toks(4 * p, 0), rid="x"))
         sizes = cache.cached_sizes()
         a = cache.token_to_kv_pool_allocator
@@ -702,7 +693,7 @@ class SWACacheConformance(PrefixCacheConformance):
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
-        eng = SWAEngine(cache)
+        eng = self.swa_engine(cache)
         eng.finish(eng.run(_toks(4 * p, 0), rid="a", extra_key="lora-a"))
         assert cache.match_prefix(RadixKey(_toks(4 * p, 0), "lora-b")).prefix_len == 0
         assert cache.match_prefix(RadixKey(_toks(4 * p, 0))).prefix_len == 0
@@ -713,17 +704,10 @@ class SWACacheConformance(PrefixCacheConformance):
         """The generic rules plus window eviction and early window unlocks."""
         if SWACacheStateMachine is None:
             pytest.skip("hypothesis is not installed")
-        from hypothesis import HealthCheck, settings
         from hypothesis.stateful import run_state_machine_as_test
 
         reuse = self.supports_prefix_reuse
         run_state_machine_as_test(
-            lambda: SWACacheStateMachine(build, page_size, reuse),
-            settings=settings(
-                max_examples=self.state_machine_examples,
-                stateful_step_count=self.state_machine_steps,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                derandomize=True,
-            ),
+            lambda: SWACacheStateMachine(build, page_size, reuse, self_check=self.self_check),
+            settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps),
         )

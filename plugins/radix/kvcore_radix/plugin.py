@@ -1,12 +1,9 @@
 """Entry point of kvcore-radix (group ``kvcore``): the ``radix`` backend and the tree eviction policies."""
 
-try:
-    from kvcore import hookimpl
-except ImportError:  # pragma: no cover - a core without the top-level marker
-    from kvcore.hookspecs import hookimpl
-
-from kvcore_radix.policies import BUILTIN_POLICIES
-from kvcore_radix.radix_cache import RadixCache, RadixConfig
+from kvcore import hookimpl
+from kvcore.tree.policies import BUILTIN_POLICIES
+from kvcore_radix.config import RadixConfig
+from kvcore_radix.radix_cache import RadixCache
 
 
 @hookimpl

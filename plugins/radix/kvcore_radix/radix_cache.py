@@ -10,85 +10,50 @@ concatenates once at the end.  One clock reading per call, ``__slots__`` nodes.
 from __future__ import annotations
 
 import heapq
-from array import array
-import itertools
 import sys
 import time
-from typing import Iterator, Literal, Optional
+from collections.abc import Iterator
 
 import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
-from kvcore.config import CacheInitParams, TreeCacheConfig
-from pydantic import Field
-from kvcore.keys import KeyLike, RadixKey, as_radix_key
+from kvcore.config import CacheInitParams
+from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
-
-from kvcore_radix.events import AllPagesCleared, PageRemoved, PageStored, chain_page_hashes
-from kvcore_radix.policies import resolve_policy
+from kvcore.tree import (
+    AllPagesCleared,
+    Node,
+    check_locked,
+    iter_subtree,
+    lock_path,
+    next_node_id,
+    path_to_root,
+    prefix_match_len,
+    record_removed,
+    record_stored,
+    resolve_policy,
+    split_node,
+    unlock_path,
+)
+from kvcore_radix.config import RadixConfig
 
 __all__ = ["RadixCache", "RadixConfig", "TreeNode"]
 
-_ids = itertools.count(1)
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
-def _validate(ids: list, start: int) -> None:
-    """Raise as ``kvcore.keys.as_radix_key`` does unless ``ids[start:]`` are non-negative ints.
-
-    ``array('Q', ...)`` checks type and sign in one C pass; only on failure does the
-    slower canonical validator run, to produce its error message.
-    """
-    if start >= len(ids):
-        return
-    rest = ids[start:] if start else ids
-    try:
-        array("Q", rest)
-        return
-    except (TypeError, OverflowError, ValueError):
-        pass
-    as_radix_key(RadixKey(rest))  # the canonical error, when it spots the bad id
-    for t in rest:
-        if not isinstance(t, int):
-            raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})")
-        if t < 0:
-            raise ValueError(f"token ids must be non-negative, got {t}")
-    raise ValueError(f"token ids must fit in 64 bits, got {max(rest)}")
-
-
-class RadixConfig(TreeCacheConfig):
-    """Options of the ``radix`` backend: the common pool options plus
-    ``eviction_policy``, ``enable_kv_events``, ``disable`` and ``key_validation``."""
-
-    key_validation: Literal["full", "stored"] = Field(
-        "full",
-        description="full: every key is checked (TypeError/ValueError on bad ids); "
-        "stored: only ids the tree stores are checked, match_prefix skips the unmatched tail (faster)",
-    )
-
-
-class TreeNode:
+class TreeNode(Node):
     """One edge of the radix tree: ``key`` (token ids) and ``value`` (their KV slots).
 
-    ``ck`` is the key under which the node sits in ``parent.children``.  A node
-    whose ``value`` is None was evicted.
+    ``ck`` is the key under which the node sits in ``parent.children``.  An
+    evicted node has ``value`` and ``parent`` None.  On top of
+    :class:`kvcore.tree.Node`: ``creation_time`` and ``priority`` (for the
+    ``fifo``/``filo`` and ``priority`` policies).
     """
 
-    __slots__ = (
-        "children",
-        "parent",
-        "key",
-        "value",
-        "ck",
-        "lock_ref",
-        "last_access_time",
-        "creation_time",
-        "hit_count",
-        "priority",
-        "id",
-        "extra_key",
-        "hash_value",
-    )
+    __slots__ = ("creation_time", "priority")
+
+    split_copy = ("lock_ref", "last_access_time", "hit_count", "priority")
 
     def __init__(self, key, value, parent, ck, now, priority=0, extra_key=None):
         self.children: dict = {}
@@ -96,44 +61,22 @@ class TreeNode:
         self.key = key
         self.value = value
         self.ck = ck
+        self.extra_key = extra_key
+        self.id = next_node_id()
         self.lock_ref = 0
         self.last_access_time = now
         self.creation_time = now
         self.hit_count = 0
         self.priority = priority
-        self.id = next(_ids)
-        self.extra_key = extra_key
-        self.hash_value: Optional[list] = None
+        self.hash_value = None
 
     @property
     def evicted(self) -> bool:
         return self.value is None
 
-    def __lt__(self, other: "TreeNode") -> bool:
-        return self.id < other.id
-
     def __repr__(self) -> str:
         ids = self.key if len(self.key) <= 6 else f"{self.key[:6]}...+{len(self.key) - 6}"
         return f"<radix node {self.id} len={len(self.key)} lock_ref={self.lock_ref} key={ids}>"
-
-
-def _first_mismatch(a: list, off: int, b: list, n: int) -> int:
-    """Length of the common prefix of ``a[off:off+n]`` and ``b[:n]`` (slice compares only)."""
-    # Gallop (doubling windows) then bisect the window holding the divergence.
-    lo, step = 0, 16
-    while lo < n:
-        hi = lo + step if lo + step < n else n
-        if a[off + lo : off + hi] != b[lo:hi]:
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if a[off + lo : off + mid] == b[lo:mid]:
-                    lo = mid
-                else:
-                    hi = mid
-            return lo
-        lo = hi
-        step <<= 1
-    return n
 
 
 class RadixCache(BasePrefixCache):
@@ -149,16 +92,19 @@ class RadixCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.kv_pool = params.kv_pool
         self.page_size = int(params.page_size)
-        alloc_ps = getattr(self.token_to_kv_pool_allocator, "page_size", self.page_size)
+        alloc_ps = self.token_to_kv_pool_allocator.page_size
         if alloc_ps != self.page_size:
             raise ValueError(f"page_size={self.page_size} differs from the allocator's page_size={alloc_ps}")
-        self.disable = bool(getattr(config, "disable", False))
-        self.enable_kv_events = bool(getattr(config, "enable_kv_events", False))
-        self.eviction_policy = str(getattr(config, "eviction_policy", "lru")).lower()
+        self.disable = bool(config.disable)
+        self.enable_kv_events = bool(config.enable_kv_events)
+        self.eviction_policy = str(config.eviction_policy).lower()
         self._check_match_tail = getattr(config, "key_validation", "full") != "stored"
         self.eviction_strategy = resolve_policy(self.eviction_policy)
-        dev = getattr(self.token_to_kv_pool_allocator, "device", "cpu")
-        self.device = torch.device(dev) if isinstance(dev, (str, torch.device)) else torch.device("cpu")
+        # Equal priorities go oldest node first, or newest first for policies that
+        # evict the newest (mru, filo): SGLang's clock orders a new leaf after its split
+        # sibling within one call, where ours reads the clock once.
+        self._evict_tie = -1 if getattr(self.eviction_strategy, "newest_first", False) else 1
+        self.device = torch.device(self.token_to_kv_pool_allocator.device)
         self._events: list = []
         self._init_tree()
 
@@ -198,24 +144,15 @@ class RadixCache(BasePrefixCache):
         return self._protected_size
 
     def total_size(self) -> int:
-        total = 0
-        stack = [self.root_node]
-        while stack:
-            node = stack.pop()
-            total += len(node.key)
-            stack.extend(node.children.values())
-        return total
+        return sum(len(node.key) for node in iter_subtree(self.root_node))
 
     def take_events(self) -> list:
         events, self._events = self._events, []
         return events
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
-        stack = list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
+        for node in iter_subtree(self.root_node):
             yield SlotOwner("full", f"radix node {node.id}", node.value)
-            stack.extend(node.children.values())
 
     def pretty_print(self, file=None) -> None:
         out = file or sys.stdout
@@ -253,10 +190,7 @@ class RadixCache(BasePrefixCache):
                 ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
                 continue
             # The first page matched through the dict key, so m >= page_size here.
-            m = _first_mismatch(ids, pos, ckey, min(len(ckey), n - pos))
-            if ps > 1:
-                m -= m % ps
-            return path, pos, child, m
+            return path, pos, child, prefix_match_len(ids, pos, ckey, min(len(ckey), n - pos), ps)
 
     def _walk(self, rk: RadixKey, n: int, check_tail: bool = True) -> tuple:
         """``_descend`` plus validation of every token the walk did not prove equal to a cached one.
@@ -269,10 +203,10 @@ class RadixCache(BasePrefixCache):
         try:
             found = self._descend(ids, n, rk.extra_key)
         except TypeError:  # an unhashable element: report it the canonical way
-            _validate(ids, 0)
+            check_token_ids(ids)
             raise
         if check_tail and not rk.validated:
-            _validate(ids, found[1] + found[3])
+            check_token_ids(ids, found[1] + found[3])
             # The walked part equals validated cached ids, the rest was just checked.
             rk.validated = True
         return found
@@ -286,7 +220,7 @@ class RadixCache(BasePrefixCache):
             n -= n % ps
         if self.disable or n == 0:
             if self._check_match_tail:
-                _validate(ids, 0)
+                check_token_ids(ids)
             return self._empty_match
         path, pos, split_child, m = self._walk(rk, n, self._check_match_tail)
         now = self.clock()
@@ -314,23 +248,7 @@ class RadixCache(BasePrefixCache):
         access time, hit count and priority.
         """
         self._last_walk = None
-        parent = child.parent
-        key = child.key
-        new = TreeNode(key[:m], child.value[:m], parent, child.ck, now, child.priority, child.extra_key)
-        new.last_access_time = child.last_access_time
-        new.lock_ref = child.lock_ref
-        new.hit_count = child.hit_count
-        rest = key[m:]
-        child.key = rest
-        child.value = child.value[m:]
-        child.ck = rest[0] if self.page_size == 1 else tuple(rest[: self.page_size])
-        child.parent = new
-        new.children[child.ck] = child
-        parent.children[new.ck] = new
-        if child.hash_value is not None:
-            pages = m // self.page_size
-            new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
-        return new
+        return split_node(child, m, TreeNode(None, None, None, None, now), self.page_size)
 
     def insert(self, key: KeyLike, value: torch.Tensor | None = None, *, priority: int = 0,
                chunked: bool = False) -> InsertResult:
@@ -358,7 +276,7 @@ class RadixCache(BasePrefixCache):
         if ps > 1:
             n -= n % ps
         if self.disable or n == 0:
-            _validate(ids, 0)
+            check_token_ids(ids)
             return InsertResult(0, self.root_node)
         last = self._last_walk
         if last is not None and last[0] is rk and last[1] == n and rk.validated:
@@ -409,48 +327,25 @@ class RadixCache(BasePrefixCache):
             leaves.discard(node)
             leaves.add(leaf)
             if self.enable_kv_events:
-                self._record_store(leaf)
+                record_stored(self._events, leaf, ps)
             node = leaf
         return InsertResult(prefix_len, node)
-
-    # ------------------------------------------------------------------ events
-
-    def _record_store(self, leaf: TreeNode) -> None:
-        parent = leaf.parent
-        parent_hash = parent.hash_value[-1] if parent.hash_value else None
-        leaf.hash_value = chain_page_hashes(leaf.key, self.page_size, parent_hash, leaf.extra_key)
-        prev = parent_hash
-        ps = self.page_size
-        for i, h in enumerate(leaf.hash_value):
-            self._events.append(PageStored(h, prev, tuple(leaf.key[i * ps : (i + 1) * ps]), leaf.extra_key))
-            prev = h
 
     # ------------------------------------------------------------------ locks
 
     def _path(self, node: TreeNode, what: str) -> list:
         if not isinstance(node, TreeNode):
             raise TypeError(f"{what}: expected a radix TreeNode, got {type(node).__name__}")
-        path = []
-        root = self.root_node
-        x = node
-        while x is not root:
-            if x is None or x.value is None:
-                raise ValueError(f"{what}: {node!r} is not in this cache's tree (evicted, or from another cache)")
-            path.append(x)
-            x = x.parent
-        return path
+        return path_to_root(node, self.root_node, what)
 
     def inc_lock_ref(self, node: TreeNode) -> LockResult:
         if self.disable:
             return LockResult(delta=0)
         path = self._path(node, "inc_lock_ref")
-        delta = 0
-        leaves = self._evictable_leaves
-        for x in path:
-            if x.lock_ref == 0:
-                delta += len(x.key)
-                leaves.discard(x)
-            x.lock_ref += 1
+        newly: list = []
+        delta = lock_path(path, newly)
+        if newly:
+            self._evictable_leaves.difference_update(newly)
         self._evictable_size -= delta
         self._protected_size += delta
         return LockResult(delta=delta)
@@ -459,20 +354,13 @@ class RadixCache(BasePrefixCache):
         if self.disable:
             return LockResult(delta=0)
         path = self._path(node, "dec_lock_ref")
-        for x in path:
-            if x.lock_ref <= 0:
-                raise ValueError(
-                    f"dec_lock_ref: {x!r} on the path of {node!r} is not locked; "
-                    "was this lock already released?"
-                )
-        delta = 0
+        check_locked(path, node, "dec_lock_ref")
+        newly: list = []
+        delta = unlock_path(path, newly)
         leaves = self._evictable_leaves
-        for x in path:
-            x.lock_ref -= 1
-            if x.lock_ref == 0:
-                delta += len(x.key)
-                if not x.children:
-                    leaves.add(x)
+        for x in newly:
+            if not x.children:
+                leaves.add(x)
         self._evictable_size += delta
         self._protected_size -= delta
         return LockResult(delta=-delta)
@@ -483,10 +371,7 @@ class RadixCache(BasePrefixCache):
         if self.disable or num_tokens <= 0 or not self._evictable_leaves:
             return EvictResult(0)
         get_priority = self.eviction_strategy.get_priority
-        # Equal priorities go oldest node first, or newest first for policies that
-        # evict the newest (mru, filo): SGLang's clock orders a new leaf after its split
-        # sibling within one call, where ours reads the clock once.
-        tie = -1 if getattr(self.eviction_strategy, "newest_first", False) else 1
+        tie = self._evict_tie
         heap = [(get_priority(x), tie * x.id, x) for x in self._evictable_leaves]
         heapq.heapify(heap)
         self._last_walk = None
@@ -505,9 +390,10 @@ class RadixCache(BasePrefixCache):
             del parent.children[x.ck]
             leaves.discard(x)
             self._evictable_size -= size
-            if events is not None and x.hash_value:
-                events.extend(PageRemoved(h) for h in x.hash_value)
+            if events is not None:
+                record_removed(events, x)
             x.value = None
+            x.parent = None
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 leaves.add(parent)
                 heapq.heappush(heap, (get_priority(parent), tie * parent.id, parent))
@@ -523,11 +409,10 @@ class RadixCache(BasePrefixCache):
         leaf evicted ends up first.  One call here does the same.
         """
         alloc = self.token_to_kv_pool_allocator
-        free_segment = getattr(alloc, "free_segment", None)
-        if self.page_size == 1 or free_segment is None:
+        if self.page_size == 1:
             alloc.free(freed[0] if len(freed) == 1 else torch.cat(freed))
         else:
-            free_segment(freed[0] if len(freed) == 1 else torch.cat(freed[::-1]), start_pos=0)
+            alloc.free_row_segments([(freed[0] if len(freed) == 1 else torch.cat(freed[::-1]), 0)])
 
     # ------------------------------------------------------------------ requests
 

@@ -8,8 +8,8 @@ import torch
 import kvcore
 from kvcore import RadixKey
 from kvcore.testing import admit, check_invariants, finish, make_req, prefill
-from kvcore_radix import RadixCache, RadixConfig, page_hash
-from kvcore_radix.events import AllPagesCleared, PageRemoved, PageStored
+from kvcore.tree.events import AllPagesCleared, PageRemoved, PageStored, page_hash
+from kvcore_radix import RadixCache, RadixConfig
 
 
 def build(**opts):

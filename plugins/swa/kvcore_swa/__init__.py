@@ -2,11 +2,25 @@
 
 ``swa``       :class:`SWARadixCache`, SGLang's SWARadixCache.
 ``swa-chunk`` :class:`SWAChunkCache`, SGLang's SWAChunkCache.
+
+The tree machinery (nodes, splits, lock walks, LRU lists, KV events) is
+kvcore's public tree kit, :mod:`kvcore.tree`.
 """
+
+from importlib.metadata import version
 
 from kvcore_swa.chunk import SWAChunkCache
 from kvcore_swa.config import SWAChunkConfig, SWAConfig, min_swa_size
 from kvcore_swa.tree import SWARadixCache, SWATreeNode
 
-__all__ = ["SWARadixCache", "SWATreeNode", "SWAChunkCache", "SWAConfig", "SWAChunkConfig", "min_swa_size"]
-__version__ = "0.1.0"
+__version__ = version("kvcore-swa")
+
+__all__ = [
+    "SWARadixCache",
+    "SWATreeNode",
+    "SWAChunkCache",
+    "SWAConfig",
+    "SWAChunkConfig",
+    "min_swa_size",
+    "__version__",
+]

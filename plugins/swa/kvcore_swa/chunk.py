@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.cache import EvictResult, InsertResult, MatchResult
+from kvcore.cache import EvictResult, InsertResult, LockResult, MatchResult
 from kvcore.chunk_cache import ChunkCache
-
+from kvcore.keys import checked_key
 from kvcore_swa.config import require_swa_allocator
-from kvcore_swa.tree import checked_key
+from kvcore_swa.window import SlidingWindowMixin, window_size
 
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
@@ -19,32 +19,27 @@ if TYPE_CHECKING:
 __all__ = ["SWAChunkCache"]
 
 
-class SWAChunkCache(ChunkCache):
+class SWAChunkCache(SlidingWindowMixin, ChunkCache):
     """SGLang's SWAChunkCache: a request's KV lives and dies with it.
 
-    While the request runs, ``kvcore.free_swa_out_of_window_slots`` (with
-    ``is_chunk_cache=True``) frees the window slots that left its window; on
+    While the request runs, ``free_window_slots`` frees the window slots that
+    left its window (exactly the window is kept: there is no tree); on
     finish ``[cache_protected_len, committed)`` goes back, full side only below
     the request's ``swa_evicted_seqlen``.
     """
 
-    def __init__(self, params: CacheInitParams, sliding_window_size: Optional[int] = None):
+    def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):
         require_swa_allocator(params.token_to_kv_pool_allocator, "SWAChunkCache")
         super().__init__(params)
-        if sliding_window_size is None:
-            sliding_window_size = getattr(params.config, "sliding_window_size", None)
-        if sliding_window_size is None or sliding_window_size <= 0:
-            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {sliding_window_size}")
-        self.sliding_window_size = int(sliding_window_size)
-
-    def supports_swa(self) -> bool:
-        return True
+        self.sliding_window_size = window_size(params.config, sliding_window_size)
 
     def match_prefix(self, key) -> MatchResult:
         checked_key(key)
         return MatchResult(device_indices=self._empty, last_device_node=None, best_match_node=None)
 
-    def insert(self, key, value: Optional[torch.Tensor] = None, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0) -> InsertResult:
+    def insert(
+        self, key, value: torch.Tensor | None = None, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0
+    ) -> InsertResult:
         """Keeps nothing; the caller keeps (and frees) ``value``."""
         key = checked_key(key)
         if value is not None and len(value) != len(key):
@@ -80,7 +75,5 @@ class SWAChunkCache(ChunkCache):
     def swa_protected_size(self) -> int:
         return 0
 
-    def dec_swa_lock_only(self, node: Any, lock: Any = None):
-        from kvcore.cache import LockResult
-
+    def dec_swa_lock_only(self, node: Any, lock: Any = None) -> LockResult:
         return LockResult(0)

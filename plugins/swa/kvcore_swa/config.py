@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import Field, field_validator, model_validator
 
 from kvcore.config import CacheConfig, TreeCacheConfig
@@ -11,14 +9,15 @@ from kvcore.config import CacheConfig, TreeCacheConfig
 __all__ = ["SWAConfig", "SWAChunkConfig", "min_swa_size", "require_swa_allocator"]
 
 
-def require_swa_allocator(allocator, backend: str) -> None:
-    """Raise TypeError unless ``allocator`` has a full and a window pool."""
+def require_swa_allocator(allocator: Any, backend: str) -> SWATokenToKVPoolAllocator:
+    """``allocator``, as long as it has a full and a window pool; TypeError otherwise."""
     for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
         if not hasattr(allocator, attr):
             raise TypeError(
                 f"{backend} needs an SWATokenToKVPoolAllocator (full and window pools), "
                 f"got {type(allocator).__name__} without {attr}()"
             )
+    return cast("SWATokenToKVPoolAllocator", allocator)
 
 
 def min_swa_size(sliding_window_size: int, page_size: int) -> int:
@@ -34,7 +33,7 @@ class SWAChunkConfig(CacheConfig):
     """
 
     sliding_window_size: int = Field(1024, description="attention window W in tokens")
-    swa_size: Optional[int] = Field(None, description="window-pool token slots (default: size)")
+    swa_size: int | None = Field(None, description="window-pool token slots (default: size)")
 
     @field_validator("sliding_window_size")
     @classmethod

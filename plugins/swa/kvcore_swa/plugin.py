@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from kvcore.hookspecs import hookimpl
-
+from kvcore import hookimpl
 from kvcore_swa.chunk import SWAChunkCache
 from kvcore_swa.config import SWAChunkConfig, SWAConfig
 from kvcore_swa.tree import SWARadixCache

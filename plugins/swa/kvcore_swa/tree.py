@@ -15,30 +15,39 @@ Behaviour follows SGLang 0.5.19's ``SWARadixCache`` (written anew here):
   node without a window lock, tombstoning internal nodes and deleting leaves.
 * Locks: the full lock covers the path to the root; the window lock covers only
   the nodes holding the last ``sliding_window_size`` tokens and remembers where it
-  stopped (``LockResult.swa_stop``) so that the unlock stops there too.
+  stopped (``LockResult.stop``) so that the unlock stops there too.
+
+Nodes, splits, lock walks, LRU lists and KV events come from :mod:`kvcore.tree`.
 """
 
 from __future__ import annotations
 
 import itertools
-from array import array
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.cache import (
-    BasePrefixCache,
-    EvictResult,
-    InsertResult,
-    LockResult,
-    MatchResult,
-    SlotOwner,
-    free_kv_row_segments,
-)
-from kvcore.keys import RadixKey, as_radix_key
+from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
+from kvcore.keys import RadixKey, checked_key
 from kvcore.record import floor_align
-
+from kvcore.tree import (
+    AllPagesCleared,
+    LRUList,
+    Node,
+    check_locked,
+    iter_subtree,
+    lock_path,
+    next_node_id,
+    path_to_root,
+    prefix_match_len,
+    record_removed,
+    record_stored,
+    split_node,
+    unlock_path,
+)
 from kvcore_swa.config import require_swa_allocator
+from kvcore_swa.window import SlidingWindowMixin, window_size
 
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
@@ -49,64 +58,55 @@ __all__ = ["SWARadixCache", "SWATreeNode"]
 _INF = float("inf")
 
 
-def checked_key(key) -> RadixKey:
-    """``as_radix_key`` with every id checked: one C pass proves they are non-negative ints."""
-    rk = as_radix_key(key, validate=False)
-    ids = rk.token_ids
-    if ids:
-        try:
-            array("Q", ids)
-        except (TypeError, OverflowError, ValueError):
-            as_radix_key(RadixKey(ids))  # its own wording, when it sees the problem
-            bad = next((t for t in ids if type(t) is not int), None)
-            if bad is not None:
-                raise TypeError(f"token ids must be ints, got {type(bad).__name__} ({bad!r})") from None
-            raise ValueError(f"token ids must be non-negative and fit in 64 bits, got {min(ids)}") from None
-    return rk
+class SWATreeNode(Node):
+    """A node of the SWA radix tree: ``key`` tokens whose KV lives at ``value`` (full slots).
 
+    On top of :class:`kvcore.tree.Node` (whose ``lock_ref`` is the full lock,
+    also readable as SGLang's ``full_lock_ref``): ``tombstone`` (no window
+    slots), ``swa_lock_ref``, ``swa_uuid`` (marks where a window lock stopped)
+    and the links of the full (``prev``/``next``) and window
+    (``swa_prev``/``swa_next``) LRU lists.
+    """
 
-class SWATreeNode:
-    """A node of the SWA radix tree: ``key`` tokens whose KV lives at ``value`` (full slots)."""
+    __slots__ = ("tombstone", "swa_lock_ref", "swa_uuid", "prev", "next", "swa_prev", "swa_next", "__weakref__")
 
-    __slots__ = (
-        "children",
-        "parent",
-        "key",
-        "value",
-        "extra_key",
-        "tombstone",
-        "full_lock_ref",
-        "swa_lock_ref",
-        "swa_uuid",
-        "id",
-        "prev",
-        "next",
-        "swa_prev",
-        "swa_next",
-        "last_access_time",
-        "hit_count",
-        "hashes",
-        "__weakref__",
-    )
+    split_copy = ("lock_ref", "swa_lock_ref", "tombstone", "last_access_time", "hit_count")
+    # A window lock that stopped at a node stopped at its top: the upper part.
+    split_move = ("swa_uuid",)
 
-    _ids = itertools.count()
+    tombstone: bool
+    swa_lock_ref: int
+    swa_uuid: int | None
+    prev: SWATreeNode | None
+    next: SWATreeNode | None
+    swa_prev: SWATreeNode | None
+    swa_next: SWATreeNode | None
 
     def __init__(self) -> None:
-        self.children: dict = {}
-        self.parent: Optional[SWATreeNode] = None
-        self.key: list[int] = []
-        self.value: Optional[torch.Tensor] = None
-        self.extra_key: Optional[str] = None
-        self.tombstone = False
-        self.full_lock_ref = 0
-        self.swa_lock_ref = 0
-        self.swa_uuid: Optional[int] = None
-        self.id = next(SWATreeNode._ids)
-        self.prev = self.next = None
-        self.swa_prev = self.swa_next = None
+        self.children = {}
+        self.parent = None
+        self.key = []
+        self.value = None
+        self.ck = None
+        self.extra_key = None
+        self.id = next_node_id()
+        self.lock_ref = 0
         self.last_access_time = 0
         self.hit_count = 0
-        self.hashes: Optional[list[str]] = None
+        self.hash_value = None
+        self.tombstone = False
+        self.swa_lock_ref = 0
+        self.swa_uuid = None
+        self.prev = self.next = None
+        self.swa_prev = self.swa_next = None
+
+    @property
+    def full_lock_ref(self) -> int:  # SGLang's name
+        return self.lock_ref
+
+    @full_lock_ref.setter
+    def full_lock_ref(self, value: int) -> None:
+        self.lock_ref = value
 
     @property
     def swa_tombstone(self) -> bool:  # SGLang's name
@@ -122,124 +122,36 @@ class SWATreeNode:
     def __repr__(self) -> str:
         ids = self.key if len(self.key) <= 6 else f"{self.key[:6]}...+{len(self.key) - 6}"
         return (
-            f"SWATreeNode(id={self.id}, key={ids}, full_lock={self.full_lock_ref}, "
+            f"SWATreeNode(id={self.id}, key={ids}, full_lock={self.lock_ref}, "
             f"swa_lock={self.swa_lock_ref}, tombstone={self.tombstone})"
         )
 
 
-class _LRU:
-    """An intrusive doubly linked list of nodes, most recently used at the head.
-
-    ``swa=True`` uses the window links and window lock; the window list never
-    holds a tombstone.
-    """
-
-    def __init__(self, swa: bool) -> None:
-        self.swa = swa
-        self.prv, self.nxt = ("swa_prev", "swa_next") if swa else ("prev", "next")
-        self.lock = "swa_lock_ref" if swa else "full_lock_ref"
-        self.head = SWATreeNode()
-        self.tail = SWATreeNode()
-        setattr(self.head, self.nxt, self.tail)
-        setattr(self.tail, self.prv, self.head)
-        self.count = 0
-
-    def __contains__(self, node: Optional[SWATreeNode]) -> bool:
-        return node is not None and getattr(node, self.prv) is not None
-
-    def _link_after(self, anchor: SWATreeNode, node: SWATreeNode) -> None:
-        prv, nxt = self.prv, self.nxt
-        after = getattr(anchor, nxt)
-        setattr(node, prv, anchor)
-        setattr(node, nxt, after)
-        setattr(after, prv, node)
-        setattr(anchor, nxt, node)
-
-    def _unlink(self, node: SWATreeNode) -> None:
-        prv, nxt = self.prv, self.nxt
-        p, n = getattr(node, prv), getattr(node, nxt)
-        setattr(p, nxt, n)
-        setattr(n, prv, p)
-        setattr(node, prv, None)
-        setattr(node, nxt, None)
-
-    def add_mru(self, node: SWATreeNode) -> None:
-        assert node not in self, f"{node} is already in the {'window' if self.swa else 'full'} LRU"
-        self._link_after(self.head, node)
-        self.count += 1
-
-    def remove(self, node: SWATreeNode) -> None:
-        assert node in self, f"{node} is not in the {'window' if self.swa else 'full'} LRU"
-        self._unlink(node)
-        self.count -= 1
-
-    def touch(self, node: SWATreeNode) -> None:
-        self._unlink(node)
-        self._link_after(self.head, node)
-
-    def touch_path(self, node: SWATreeNode, root: SWATreeNode) -> None:
-        """Make ``node`` and its ancestors most recent, each child more recent than its parent."""
-        anchor = self.head
-        swa = self.swa
-        while node is not root:
-            if not (swa and node.tombstone):
-                self._unlink(node)
-                self._link_after(anchor, node)
-                anchor = node
-            node = node.parent
-
-    def lru_unlocked(self, leaf_only: bool = False) -> Optional[SWATreeNode]:
-        return self.prev_unlocked(self.tail, leaf_only)
-
-    def prev_unlocked(self, node: SWATreeNode, leaf_only: bool = False) -> Optional[SWATreeNode]:
-        """The next more recently used node without a lock (and, if asked, without children)."""
-        prv, lock = self.prv, self.lock
-        x = getattr(node, prv)
-        while getattr(x, lock) > 0 or (leaf_only and x.children):
-            x = getattr(x, prv)
-        return None if x is self.head else x
-
-    def __iter__(self) -> Iterator[SWATreeNode]:
-        """From least to most recently used."""
-        x = getattr(self.tail, self.prv)
-        while x is not self.head:
-            yield x
-            x = getattr(x, self.prv)
-
-
-class SWARadixCache(BasePrefixCache):
+class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
     """SGLang's SWARadixCache on a :class:`kvcore.pools.SWATokenToKVPoolAllocator`.
 
     The class is its own factory: ``SWARadixCache(params)`` with a
     :class:`kvcore.CacheInitParams` whose config carries ``sliding_window_size``.
     """
 
-    #: ``insert`` frees the caller's copy of what the tree already holds (beyond
-    #: ``prev_prefix_len``), as SGLang's SWARadixCache does; RadixCache leaves that to the caller.
-    insert_frees_duplicates = True
-
-    def __init__(self, params: CacheInitParams, sliding_window_size: Optional[int] = None):
-        alloc = params.token_to_kv_pool_allocator
-        require_swa_allocator(alloc, "SWARadixCache")
+    def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):
+        alloc = require_swa_allocator(params.token_to_kv_pool_allocator, "SWARadixCache")
         config = params.config
-        if sliding_window_size is None:
-            sliding_window_size = getattr(config, "sliding_window_size", None)
-        if sliding_window_size is None or sliding_window_size <= 0:
-            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {sliding_window_size}")
+        sliding_window_size = window_size(config, sliding_window_size)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = alloc
         self.page_size = params.page_size
         self.config = config
         self.kv_pool = params.kv_pool
         self.device = alloc.device
-        self.sliding_window_size = int(sliding_window_size)
+        self.sliding_window_size = sliding_window_size
         self.disable = bool(getattr(config, "disable", False))
         self.enable_kv_events = bool(getattr(config, "enable_kv_events", False))
         self.eviction_policy = getattr(config, "eviction_policy", "lru")
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._uuids = itertools.count(1)
         self._clock = itertools.count(1)
-        self._events: list = []
+        self._events: list[Any] = []
         self._build_empty()
 
     # ------------------------------------------------------------------ state
@@ -247,12 +159,13 @@ class SWARadixCache(BasePrefixCache):
     def _build_empty(self) -> None:
         root = SWATreeNode()
         root.value = self._empty
-        root.full_lock_ref = 1
+        root.lock_ref = 1
         root.swa_lock_ref = 1
-        root.hashes = []
+        root.hash_value = []
         self.root_node = root
-        self.full_lru = _LRU(swa=False)
-        self.swa_lru = _LRU(swa=True)
+        self.full_lru = LRUList(SWATreeNode, "prev", "next", "lock_ref", "full LRU")
+        # The window list never holds a tombstone.
+        self.swa_lru = LRUList(SWATreeNode, "swa_prev", "swa_next", "swa_lock_ref", "window LRU")
         self.full_evictable_size_ = 0
         self.full_protected_size_ = 0
         self.swa_evictable_size_ = 0
@@ -265,11 +178,10 @@ class SWARadixCache(BasePrefixCache):
         """
         alloc = self.token_to_kv_pool_allocator
         live, dead = [], []
-        stack = list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
+        nodes = list(iter_subtree(self.root_node))
+        for node in nodes:
             (dead if node.tombstone else live).append(node.value)
+        for node in nodes:
             node.parent = None
         if live:
             alloc.free(torch.cat(live))
@@ -277,8 +189,6 @@ class SWARadixCache(BasePrefixCache):
             alloc.free_full(torch.cat(dead))
         self._build_empty()
         if self.enable_kv_events:
-            from kvcore_radix.events import AllPagesCleared
-
             self._events.append(AllPagesCleared())
 
     def take_events(self) -> list:
@@ -286,9 +196,6 @@ class SWARadixCache(BasePrefixCache):
         return events
 
     # ------------------------------------------------------------------ traits
-
-    def supports_swa(self) -> bool:
-        return True
 
     def is_chunk_cache(self) -> bool:
         return False
@@ -321,30 +228,6 @@ class SWARadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ keys
 
-    def _child_key(self, ids: list[int], pos: int, extra_key) -> Any:
-        if self.page_size == 1:
-            t = ids[pos]
-        else:
-            t = tuple(ids[pos : pos + self.page_size])
-        return t if extra_key is None else (extra_key, t)
-
-    def _match_len(self, node_key: list[int], ids: list[int], pos: int, end: int) -> int:
-        """Tokens (whole pages) of ``node_key`` equal to ``ids[pos:end]``; C-level slice compares."""
-        m = min(len(node_key), end - pos)
-        if ids[pos : pos + m] == (node_key if m == len(node_key) else node_key[:m]):
-            return m
-        ps = self.page_size
-        # The child key already matched the first page; bisect on whole pages:
-        # ``lo`` pages are known to match, ``hi`` pages are known not to.
-        lo, hi = 1, m // ps
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ids[pos : pos + mid * ps] == node_key[: mid * ps]:
-                lo = mid
-            else:
-                hi = mid
-        return lo * ps
-
     def _prepare_key(self, key) -> tuple[list[int], Any, int]:
         rk = checked_key(key)
         ids = rk.token_ids
@@ -374,16 +257,24 @@ class SWARadixCache(BasePrefixCache):
         best_node = root
         best_len = 0
         matched = 0
+        ps = self.page_size
+        ck = ids[0] if ps == 1 else tuple(ids[:ps])
+        if extra_key is not None:
+            ck = (extra_key, ck)
         while pos < n:
-            child = node.children.get(self._child_key(ids, pos, extra_key))
+            if pos:
+                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            child = node.children.get(ck)
             if child is None:
                 break
             if child.tombstone:
                 if since_tombstone >= window:
                     best_items, best_node, best_len = len(values), node, matched
                 since_tombstone = 0
-            plen = self._match_len(child.key, ids, pos, n)
-            if plen < len(child.key):
+            ckey = child.key
+            plen = len(ckey)
+            if pos + plen > n or ids[pos : pos + plen] != ckey:
+                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), ps)
                 child = self._split(child, plen)
             values.append(child.value)
             matched += plen
@@ -422,7 +313,7 @@ class SWARadixCache(BasePrefixCache):
     def insert(
         self,
         key,
-        value: Optional[torch.Tensor] = None,
+        value: torch.Tensor | None = None,
         prev_prefix_len: int = 0,
         swa_evicted_seqlen: int = 0,
     ) -> InsertResult:
@@ -451,7 +342,7 @@ class SWARadixCache(BasePrefixCache):
             )
         if value is None:
             if self.disable or n == 0:
-                return InsertResult(0, self.root_node)
+                return InsertResult(0, self.root_node, duplicates_freed=True)
             value = self.token_to_kv_pool_allocator.alloc(n)
             if value is None:
                 raise RuntimeError(f"cannot allocate {n} slots for insert(value=None): the pools are full")
@@ -460,17 +351,17 @@ class SWARadixCache(BasePrefixCache):
         else:
             value = self._check_value(value, len(ids), n)
         if self.disable:
-            return InsertResult(0, self.root_node)
+            return InsertResult(0, self.root_node, duplicates_freed=True)
         if n == 0:
-            return InsertResult(0, self.root_node)
+            return InsertResult(0, self.root_node, duplicates_freed=True)
         value = value[:n]
         if swa_evicted_seqlen > prev_prefix_len:
             # The caller says these window slots are gone; make sure they are.
             self._release_window(value[prev_prefix_len : min(swa_evicted_seqlen, n)])
         prefix_len, last = self._insert(ids, extra_key, n, value, prev_prefix_len, swa_evicted_seqlen)
-        return InsertResult(prefix_len, last)
+        return InsertResult(prefix_len, last, duplicates_freed=True)
 
-    def _check_value(self, value, key_len: int, aligned_len: Optional[int] = None) -> torch.Tensor:
+    def _check_value(self, value, key_len: int, aligned_len: int | None = None) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             try:
                 value = torch.as_tensor(list(value), dtype=torch.int64)
@@ -508,8 +399,14 @@ class SWARadixCache(BasePrefixCache):
         node = root
         pos = 0
         t = self._tick()
+        ps = self.page_size
+        ck = ids[0] if ps == 1 else tuple(ids[:ps])
+        if extra_key is not None:
+            ck = (extra_key, ck)
         while pos < n:
-            child = node.children.get(self._child_key(ids, pos, extra_key))
+            if pos:
+                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            child = node.children.get(ck)
             if child is None:
                 break
             # Root-to-leaf order: a child is more recent than its parent, so window
@@ -519,8 +416,10 @@ class SWARadixCache(BasePrefixCache):
             self.full_lru.touch(child)
             if not child.tombstone:
                 self.swa_lru.touch(child)
-            plen = self._match_len(child.key, ids, pos, n)
-            if plen < len(child.key):
+            ckey = child.key
+            plen = len(ckey)
+            if pos + plen > n or ids[pos : pos + plen] != ckey:
+                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), ps)
                 child = self._split(child, plen)
             end = pos + plen
             if prev < end:
@@ -549,7 +448,7 @@ class SWARadixCache(BasePrefixCache):
         alloc = self.token_to_kv_pool_allocator
         incoming = value[pos:end]
         if not node.tombstone:
-            free_kv_row_segments(alloc, [(incoming, pos)], swa_evicted_seqlen=sev)
+            alloc.free_row_segments([(incoming, pos)], swa_evicted_seqlen=sev)
             return
         if sev >= end:
             # The caller's window slots are gone too: nothing to heal with.
@@ -566,7 +465,7 @@ class SWARadixCache(BasePrefixCache):
         """Give tombstone ``node`` the window slots of ``incoming`` (same tokens, live window)."""
         assert node.tombstone and node.swa_lock_ref == 0, node
         alloc = self.token_to_kv_pool_allocator
-        if node.full_lock_ref > 0:
+        if node.lock_ref > 0:
             # A running request reads node.value: keep those full slots and point them
             # at the incoming window slots instead.
             mapping = alloc.full_to_swa_index_mapping
@@ -590,41 +489,23 @@ class SWARadixCache(BasePrefixCache):
         node.value = value.clone()
         node.tombstone = tombstone
         node.last_access_time = self._tick()
-        parent.children[self._child_key(key, 0, extra_key)] = node
+        ps = self.page_size
+        ck = key[0] if ps == 1 else tuple(key[:ps])
+        node.ck = ck if extra_key is None or parent is not self.root_node else (extra_key, ck)
+        parent.children[node.ck] = node
         self.full_lru.add_mru(node)
         self.full_evictable_size_ += len(key)
         if not tombstone:
             self.swa_lru.add_mru(node)
             self.swa_evictable_size_ += len(key)
         if self.enable_kv_events:
-            self._record_store(node)
+            record_stored(self._events, node, ps)
         return node
 
     def _split(self, child: SWATreeNode, k: int) -> SWATreeNode:
         """Split ``child`` after ``k`` tokens; returns the new upper node, ``child`` keeps the rest."""
         assert 0 < k < len(child.key) and k % self.page_size == 0, (k, child)
-        up = SWATreeNode()
-        parent = child.parent
-        up.parent = parent
-        up.key = child.key[:k]
-        up.extra_key = child.extra_key
-        up.value = child.value[:k].clone()
-        up.tombstone = child.tombstone
-        up.full_lock_ref = child.full_lock_ref
-        up.swa_lock_ref = child.swa_lock_ref
-        up.last_access_time = child.last_access_time
-        up.hit_count = child.hit_count
-        # A window lock that stopped at child stopped at its top: the upper part.
-        up.swa_uuid, child.swa_uuid = child.swa_uuid, None
-        ck = self._child_key(child.key, 0, child.extra_key)
-        child.key = child.key[k:]
-        child.value = child.value[k:].clone()
-        up.children = {self._child_key(child.key, 0, child.extra_key): child}
-        child.parent = up
-        parent.children[ck] = up
-        if child.hashes is not None:
-            pk = k // self.page_size
-            up.hashes, child.hashes = child.hashes[:pk], child.hashes[pk:]
+        up = split_node(child, k, SWATreeNode(), self.page_size)
         # Keep the upper part older than the child in both orders.
         self.full_lru.remove(child)
         self.full_lru.add_mru(up)
@@ -640,15 +521,7 @@ class SWARadixCache(BasePrefixCache):
     def _path(self, node: SWATreeNode, what: str) -> list[SWATreeNode]:
         if not isinstance(node, SWATreeNode):
             raise TypeError(f"{what}: expected a node of this cache, got {type(node).__name__}")
-        path = []
-        root = self.root_node
-        x = node
-        while x is not root:
-            if x is None:
-                raise ValueError(f"{what}: {node} is not in this cache's tree (evicted or from another cache)")
-            path.append(x)
-            x = x.parent
-        return path
+        return path_to_root(node, self.root_node, what)
 
     def _window_stop(self, path: list[SWATreeNode]) -> int:
         """How many nodes of ``path`` (leaf first) a window lock taken now covers."""
@@ -668,14 +541,9 @@ class SWARadixCache(BasePrefixCache):
             return LockResult(0, None, {"swa_delta": 0, "swa_tokens": 0})
         path = self._path(node, "inc_lock_ref")
         k = self._window_stop(path)
-        full_delta = 0
-        for x in path:
-            if x.full_lock_ref == 0:
-                n = len(x.key)
-                self.full_evictable_size_ -= n
-                self.full_protected_size_ += n
-                full_delta += n
-            x.full_lock_ref += 1
+        full_delta = lock_path(path)
+        self.full_evictable_size_ -= full_delta
+        self.full_protected_size_ += full_delta
         swa_delta = swa_tokens = 0
         for x in path[:k]:
             n = len(x.key)
@@ -695,7 +563,7 @@ class SWARadixCache(BasePrefixCache):
             stop = top.swa_uuid
         return LockResult(full_delta, stop, {"swa_delta": swa_delta, "swa_tokens": swa_tokens})
 
-    def _swa_locked_nodes(self, path: list[SWATreeNode], lock: Optional[LockResult], what: str) -> list[SWATreeNode]:
+    def _swa_locked_nodes(self, path: list[SWATreeNode], lock: LockResult | None, what: str) -> list[SWATreeNode]:
         """The nodes of ``path`` that ``lock``'s window lock covers (leaf first)."""
         if lock is None:
             # No record: assume the lock a fresh inc_lock_ref would take here.
@@ -704,7 +572,7 @@ class SWARadixCache(BasePrefixCache):
         extras = lock.extras or {}
         if extras.get("swa_released") or extras.get("swa_tokens", 1) == 0:
             return []
-        stop = lock.swa_stop
+        stop = lock.stop
         if stop is None:
             return path
         for i, x in enumerate(path):
@@ -712,28 +580,21 @@ class SWARadixCache(BasePrefixCache):
                 return path[: i + 1]
         raise ValueError(f"{what}: the window lock's stop marker {stop!r} is not on {path[0]}'s path")
 
-    def dec_lock_ref(self, node: Any, lock: Optional[LockResult] = None) -> LockResult:
+    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
         if node is None or node is self.root_node or self.disable:
             return LockResult(0, None, {"swa_delta": 0})
         path = self._path(node, "dec_lock_ref")
         if lock is not None and (lock.extras or {}).get("released"):
             raise ValueError(f"dec_lock_ref: this lock on {node} was already given back")
-        for x in path:
-            if x.full_lock_ref <= 0:
-                raise ValueError(f"dec_lock_ref on {x}, which is not locked")
+        check_locked(path, node, "dec_lock_ref")
         swa_nodes = self._swa_locked_nodes(path, lock, "dec_lock_ref")
         for x in swa_nodes:
             if x.tombstone or x.swa_lock_ref <= 0:
                 raise ValueError(f"dec_lock_ref: {x} holds no window lock to give back")
-        full_delta = 0
-        for x in path:
-            if x.full_lock_ref == 1:
-                n = len(x.key)
-                self.full_evictable_size_ += n
-                self.full_protected_size_ -= n
-                full_delta -= n
-            x.full_lock_ref -= 1
+        full_delta = -unlock_path(path)
+        self.full_evictable_size_ -= full_delta
+        self.full_protected_size_ += full_delta
         swa_delta = self._dec_swa(swa_nodes, tombstone_leaves=False)
         if lock is not None:
             if lock.extras is None:
@@ -762,7 +623,7 @@ class SWARadixCache(BasePrefixCache):
             x.swa_lock_ref -= 1
         return delta
 
-    def dec_swa_lock_only(self, node: Any, lock: Optional[LockResult] = None) -> LockResult:
+    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
         """Release only the window part of ``lock`` (the full lock stays).
 
         For a request whose decode moved past the window: its prefix's window slots
@@ -779,7 +640,7 @@ class SWARadixCache(BasePrefixCache):
             raise ValueError(f"dec_swa_lock_only: the window lock on {node} was already released")
         swa_nodes = self._swa_locked_nodes(path, lock, "dec_swa_lock_only")
         for x in swa_nodes:
-            if x.tombstone or x.swa_lock_ref <= 0 or x.full_lock_ref <= 0:
+            if x.tombstone or x.swa_lock_ref <= 0 or x.lock_ref <= 0:
                 raise ValueError(f"dec_swa_lock_only: {x} holds no window lock to give back")
         delta = self._dec_swa(swa_nodes, tombstone_leaves=True)
         if lock is not None:
@@ -823,7 +684,7 @@ class SWARadixCache(BasePrefixCache):
             while swa_evicted < swa_num_tokens and x is not None:
                 nxt = self.swa_lru.prev_unlocked(x)
                 n = len(x.key)
-                if x.children or x.full_lock_ref > 0:
+                if x.children or x.lock_ref > 0:
                     alloc.free_swa(x.value)
                     self.swa_lru.remove(x)
                     x.tombstone = True
@@ -844,7 +705,7 @@ class SWARadixCache(BasePrefixCache):
 
     def _delete_leaf(self, x: SWATreeNode, free: bool) -> None:
         """Remove unlocked leaf ``x`` (both LRUs, its parent, the size counters), freeing its slots."""
-        assert not x.children and x.full_lock_ref == 0, x
+        assert not x.children and x.lock_ref == 0, x
         n = len(x.key)
         if free:
             if x.tombstone:
@@ -856,25 +717,22 @@ class SWARadixCache(BasePrefixCache):
         if not x.tombstone:
             self.swa_lru.remove(x)
             self.swa_evictable_size_ -= n
-        parent = x.parent
-        del parent.children[self._child_key(x.key, 0, x.extra_key)]
+        del x.parent.children[x.ck]
         x.parent = None
+        x.value = None
         if self.enable_kv_events:
-            self._record_remove(x)
+            record_removed(self._events, x)
 
     def _prune_tombstones(self, node: SWATreeNode) -> tuple[SWATreeNode, int]:
         """Delete unlocked tombstone leaves from ``node`` upward; returns (first kept node, tokens freed)."""
         root = self.root_node
         freed = 0
-        while node is not root and node.tombstone and not node.children and node.full_lock_ref == 0:
+        while node is not root and node.tombstone and not node.children and node.lock_ref == 0:
             parent = node.parent
             freed += len(node.key)
             self._delete_leaf(node, free=True)
             node = parent
         return node, freed
-
-    def _delete_tombstone_chain(self, node: SWATreeNode) -> int:
-        return self._prune_tombstones(node)[1]
 
     # ------------------------------------------------------------------ requests
 
@@ -995,11 +853,7 @@ class SWARadixCache(BasePrefixCache):
     # ------------------------------------------------------------------ introspection
 
     def _nodes(self) -> Iterator[SWATreeNode]:
-        stack = list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return iter_subtree(self.root_node)
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
         translate = self.token_to_kv_pool_allocator.translate_loc_from_full_to_swa
@@ -1017,11 +871,11 @@ class SWARadixCache(BasePrefixCache):
         for x in self._nodes():
             n = len(x.key)
             assert n > 0 and n % self.page_size == 0 and x.value.numel() == n, x
-            assert x.parent is not None and x.parent.children.get(self._child_key(x.key, 0, x.extra_key)) is x, x
-            assert x.full_lock_ref >= x.swa_lock_ref >= 0, x
+            assert x.parent is not None and x.parent.children.get(x.ck) is x, x
+            assert x.lock_ref >= x.swa_lock_ref >= 0, x
             assert x in self.full_lru, x
             full_in += 1
-            if x.full_lock_ref:
+            if x.lock_ref:
                 fp += n
             else:
                 fe += n
@@ -1056,23 +910,3 @@ class SWARadixCache(BasePrefixCache):
         text = "\n".join(lines)
         print(text)
         return text
-
-    # ------------------------------------------------------------------ events
-
-    def _record_store(self, node: SWATreeNode) -> None:
-        from kvcore_radix.events import PageStored, chain_page_hashes
-
-        parent = node.parent
-        parent_hash = parent.hashes[-1] if parent is not None and parent.hashes else None
-        ps = self.page_size
-        node.hashes = chain_page_hashes(node.key, ps, parent_hash, node.extra_key)
-        prev = parent_hash
-        for i, h in enumerate(node.hashes):
-            self._events.append(PageStored(h, prev, tuple(node.key[i * ps : (i + 1) * ps]), node.extra_key))
-            prev = h
-
-    def _record_remove(self, node: SWATreeNode) -> None:
-        from kvcore_radix.events import PageRemoved
-
-        for h in node.hashes or ():
-            self._events.append(PageRemoved(h))

@@ -36,7 +36,7 @@ def test_backends_are_registered_by_the_swa_distribution():
 @pytest.mark.parametrize("name", ["swa", "swa-chunk"])
 def test_built_cache_exposes_window_and_pools(name):
     cache = make(name, page_size=4, size=512, swa_size=64, sliding_window_size=10)
-    assert cache.sliding_window_size == 10 and cache.supports_swa()
+    assert cache.sliding_window_size == 10 and set(cache.cached_sizes()) == {"full", "swa"}
     a = cache.token_to_kv_pool_allocator
     assert a.size_full == 512 and a.size_swa == 64 and cache.page_size == 4
     assert cache.is_chunk_cache() == (name == "swa-chunk")
@@ -55,7 +55,10 @@ def test_swa_size_defaults_to_size():
         (dict(sliding_window_size=0), "sliding_window_size must be a positive"),
         (dict(sliding_window_size=-4), "sliding_window_size must be a positive"),
         (dict(sliding_window_size=64, swa_size=64), "cannot hold one request's window"),
-        (dict(page_size=16, sliding_window_size=32, swa_size=50, size=512, max_context_len=512), "not a multiple of page_size"),
+        (
+            dict(page_size=16, sliding_window_size=32, swa_size=50, size=512, max_context_len=512),
+            "not a multiple of page_size",
+        ),
         (dict(page_size=16, size=500), "not a multiple of page_size"),
         (dict(bogus=1), "unknown option 'bogus'"),
     ],
@@ -142,7 +145,7 @@ def test_lock_errors_leave_the_tree_unchanged():
         cache.inc_lock_ref("node")
     lock = cache.inc_lock_ref(node)
     with pytest.raises(ValueError):
-        cache.dec_swa_lock_only(node, kvcore.LockResult(0, swa_stop=-5, extras={"swa_tokens": 1}))
+        cache.dec_swa_lock_only(node, kvcore.LockResult(0, stop=-5, extras={"swa_tokens": 1}))
     cache.dec_lock_ref(node, lock)
     with pytest.raises(ValueError, match="already given back"):
         cache.dec_lock_ref(node, lock)
@@ -163,7 +166,7 @@ def test_lock_without_lock_result_uses_the_window_rule():
     node = cache.match_prefix(key).last_device_node
     lock = cache.inc_lock_ref(node)
     assert cache.swa_protected_size() == 4 and cache.full_protected_size() == 12
-    assert lock.swa_stop is not None and lock.delta == 12
+    assert lock.stop is not None and lock.delta == 12
     res = cache.dec_lock_ref(node)
     assert res.delta == -12 and res.extras["swa_delta"] == -4
     assert cache.swa_protected_size() == 0 and cache.full_protected_size() == 0

@@ -1,13 +1,17 @@
-"""Eviction policies of tree backends (SGLang's evict_policy semantics).
+"""Eviction policies of tree backends (SGLang's ``evict_policy`` semantics).
 
 A policy is any object with ``get_priority(node)``; the evictable leaf with the
-smallest priority goes first.  Nodes carry ``last_access_time``,
-``creation_time``, ``hit_count`` and ``priority``.
+smallest priority goes first.  The built-in ones read ``last_access_time``,
+``creation_time``, ``hit_count`` and ``priority`` from the node, so a backend
+that offers every policy gives its nodes those four fields.  Plugins add
+policies through the ``kvcore_register_eviction_policies`` hook;
+:func:`resolve_policy` builds one by name from that registry.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "EvictionStrategy",
@@ -106,28 +110,21 @@ BUILTIN_POLICIES: dict[str, Callable[[], EvictionStrategy]] = {
 def resolve_policy(name: str) -> EvictionStrategy:
     """Build policy ``name`` from kvcore's registry (so plugins can add policies).
 
-    Falls back to the built-in table when the core registry is unavailable or
-    does not know the name (e.g. plugin autoload disabled).  An unknown name
-    raises ValueError listing every known policy.
+    Falls back to the built-in table when the registry does not know the name
+    (e.g. plugin autoload disabled).  An unknown name raises ValueError listing
+    every known policy.
     """
     if not isinstance(name, str):
         raise TypeError(f"eviction_policy must be a string, got {type(name).__name__}")
     key = name.lower()
+    from kvcore.plugins import available_eviction_policies, get_eviction_policy
+
     known: set[str] = set(BUILTIN_POLICIES)
-    factory = None
     try:
-        from kvcore.plugins import available_eviction_policies, get_eviction_policy
-    except ImportError:  # an older core without a policy registry
-        get_eviction_policy = available_eviction_policies = None
-    if get_eviction_policy is not None:
-        try:
-            factory = get_eviction_policy(key)
-        except (LookupError, ValueError):
-            factory = None
-        try:
-            known.update(available_eviction_policies())
-        except Exception:  # pragma: no cover - registry failure is reported elsewhere
-            pass
+        factory = get_eviction_policy(key)
+    except (LookupError, ValueError):
+        factory = None
+    known.update(available_eviction_policies())
     if factory is None:
         factory = BUILTIN_POLICIES.get(key)
     if factory is None:

@@ -1,0 +1,550 @@
+"""The engine protocol, driven in one place: what an engine does to a prefix cache.
+
+kvcore is bookkeeping; an engine computes the KV.  Between the two runs a short
+protocol that every scheduler follows (SGLang's ``ScheduleBatch`` and
+``Scheduler``, kvcore's ``bench`` loop, the conformance kit, the stand-alone
+benchmarks).  :class:`Engine` is that protocol written once, on the pools the
+cache itself exposes, so that whatever the engine allocates goes back to the
+allocator the cache frees to::
+
+    engine = Engine(cache)                  # any built backend, or a StreamingSession over one
+    req = Req("r1", prompt_ids)
+
+    engine.admit(req)                       # 1. admission
+    engine.extend(req, 512)                 # 2. a prefill chunk  (repeat)
+    engine.extend(req)                      #    the last chunk
+    engine.decode([req, other], [t1, t2])   # 3. one batched decode step (repeat)
+    engine.finish(req)                      # 4. finish
+    engine.check([other])                   # the invariant checker: nothing leaked
+
+1. **Admit** (``admit`` = ``match`` + a row).  ``cache.match_prefix(RadixKey(
+   fill_ids[:n], extra_key))`` with ``n = len(fill_ids) - 1`` by default (SGLang
+   leaves one token to compute, so the first decode step has logits), or
+   ``max_prefix_len``.  The matched node is locked (``inc_lock_ref``; the lock
+   result is kept in ``req.lock`` so that ``dec_lock_ref`` gives exactly that
+   back).  The request takes a req_to_token row, the matched slots are written at
+   ``[0, prefix_len)`` of it, and the record says the cache owns them:
+   ``cache_protected_len = kv_committed_len = kv_allocated_len = prefix_len``.
+   On a :class:`~kvcore.StreamingSession` a follow-up turn of a live session gets
+   the session's own record back instead (same row, same lengths; the session
+   frees the tail the new turn rewrites), and takes no second row.  When rows run
+   short (after releasing idle sessions, see below) ``admit`` returns False with
+   the lock dropped and nothing held.  A scheduler that wants to look at the
+   prefix length before it commits (to check its memory budget) calls
+   ``match`` first and then ``admit(req, matched=m)`` or ``cancel(m)``.
+
+2. **Extend** (a prefill chunk, ``extend(req, end)``).  Slots for row positions
+   ``[kv_allocated_len, end)`` come from the allocator with SGLang's rule: the
+   rest of the last partial page first, then whole new pages (``alloc_extend``).
+   They are written into the row, handed to ``kv_writer`` (the K/V computation
+   writes there), and the record commits them (``kv_allocated_len =
+   kv_committed_len = end``).  Then the cache learns about it:
+   ``kvcore.cache_unfinished_req(req, cache, chunked=True)`` while more chunks
+   follow (the tree takes the page-aligned committed prefix and the request's
+   ``cache_protected_len`` moves up), and, once the prompt is complete,
+   ``kvcore.cache_unfinished_req(req, cache)`` as SGLang's scheduler does, so
+   requests arriving while this one decodes can share its prompt
+   (``Engine(cache_prompt=False)`` leaves that to ``finish``).  A chunk cache
+   frees what left the window before each later chunk
+   (``cache.free_window_slots([req], [start])``, a no-op without a window).
+
+3. **Decode** (``decode(reqs, tokens)``, one batched step).  First the window
+   free of the whole batch in one call, ``cache.free_window_slots(reqs,
+   pre_lens)`` with each record's allocated length (SGLang's ``seqlen - 1``):
+   sliding-window backends return the slots that left the window, every other
+   backend does nothing.  Then one slot per request in one allocation
+   (``alloc_decode``: a new page only where the last one is full), written at
+   position ``kv_allocated_len`` of each row, the token appended to
+   ``output_ids`` and ``kv_allocated_len = kv_committed_len`` one further.
+   Schedulers that free the window on their own cadence pass
+   ``free_window=False`` and call ``free_window(reqs)`` themselves.
+
+4. **Finish** (``finish(req)``): ``kvcore.release_kv_cache``: the cache takes the
+   committed KV (tree insert, duplicates freed, lock dropped), the
+   over-allocation past the page-aligned committed length and the row go back,
+   and the record is marked released.  A request admitted with nothing
+   allocated is aborted instead (there is nothing to hand over).  On a
+   StreamingSession a request with a ``session_id`` is saved into its session
+   instead, which then counts as *idle* until its next turn is admitted.
+
+Two more ways out:
+
+* **Abort** (``abort(req)``): everything back, nothing inserted; a request that
+  runs on a session's record takes the session with it (its KV was half
+  rewritten by the aborted turn).
+* **Retract** (``retract(req)``): an abort, then the record is reset for
+  recompute the way SGLang's ``reset_for_retract`` does it: a fresh record that
+  keeps only ``swa_evict_floor`` (the prefill-aware window floor), no prefix, no
+  node, no lock.  ``output_ids`` are kept (SGLang recomputes prompt and output);
+  a replaying scheduler clears them itself.
+
+**Allocation failure.**  Every allocation (``alloc_slots``, ``extend_slots``,
+``extend``, ``alloc_decode``, ``decode``) that comes up short asks the cache to
+``make_room(n)`` once (each pool's shortfall is evicted, the least recently
+used first) and tries again; when it still does not fit it releases idle
+sessions, least recently used first, while any are left (unless
+``release_idle_sessions=False``), and otherwise reports failure (False, None or
+0) with nothing changed: no slot taken, no record moved.  Only the evictions
+and session releases it made stay (and, in ``decode``, the window free, which
+any later step would do anyway).  What to do next (retract the newest request,
+wait) is the scheduler's choice.
+
+**Sessions.**  On a StreamingSession, ``finish`` of a turn with a ``session_id``
+marks the session idle (``idle_sessions``, least recently used first);
+admitting its next turn takes it off that list; ``end_session(sid)`` releases
+it for good (the conversation is over); ``release_idle_session(keep=sid)``
+releases the least recently used one (the engine does that itself when rows or
+slots run short, unless ``release_idle_sessions=False``).
+
+**For a scheduler with its own policy** (``kvcore bench``): ``match`` /
+``admit(matched=)`` / ``cancel`` to check a budget between the match and the
+row; ``fits(n)`` and ``make_room(n)`` to test and evict without allocating;
+``alloc_decode(rows, seq_lens, seq_lens_cpu)`` for a decode step over tensors
+the scheduler keeps itself (the records are then the scheduler's to move);
+``free_window(reqs, pre_lens)`` on its own cadence with
+``decode(..., free_window=False)``; ``release_idle_sessions=False`` to decide
+itself when sessions go; ``on_evict`` and ``kv_writer`` for its counters and
+K/V writes.
+
+Nothing here knows a backend by name: windows, extra pools and their
+shortfalls are the cache's business (``free_window_slots``, ``make_room``,
+``pools()``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+
+from kvcore.keys import RadixKey
+from kvcore.record import Req, ReqKvInfo, ceil_align
+from kvcore.release import cache_unfinished_req, release_kv_cache
+from kvcore.session import StreamingSession
+
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache, EvictResult, LockResult, MatchResult
+
+__all__ = ["Engine", "Match"]
+
+_EMPTY = torch.empty((0,), dtype=torch.int64)
+
+
+@dataclass(slots=True, eq=False)
+class Match:
+    """A locked prefix match waiting to become an admission (``Engine.match``).
+
+    Hand it to ``Engine.admit(req, matched=...)`` or give the lock back with
+    ``Engine.cancel``.  ``restored`` is True when a streaming session handed its
+    record back (the request then already holds a row).
+    """
+
+    req: Req
+    result: MatchResult
+    lock: LockResult
+    restored: bool
+
+    @property
+    def prefix_len(self) -> int:
+        return int(self.result.device_indices.numel())
+
+    @property
+    def node(self) -> Any:
+        return self.result.last_device_node
+
+
+class Engine:
+    """Drives ``cache`` through kvcore's engine protocol (see the module docstring).
+
+    ``cache`` is a built backend or a :class:`~kvcore.StreamingSession` over one.
+    ``kv_writer(slots)`` is called with every batch of slots the engine hands
+    out (prefill chunks, decode steps) so a caller can write K/V there.
+    ``cache_prompt``: put the prompt in the cache when its prefill completes
+    (SGLang's scheduler does).  ``release_idle_sessions``: when rows or slots run
+    short, release idle sessions (least recently used first) before failing.
+    ``on_evict(result)`` sees every ``make_room`` the engine asks for.
+
+    Counters: ``evict_calls`` (``make_room`` calls that had to evict),
+    ``session_releases``.
+    """
+
+    def __init__(
+        self,
+        cache: BasePrefixCache,
+        *,
+        kv_writer: Callable[[torch.Tensor], None] | None = None,
+        cache_prompt: bool = True,
+        release_idle_sessions: bool = True,
+        on_evict: Callable[[EvictResult], None] | None = None,
+    ) -> None:
+        self._cache = cache
+        self._sessions = cache if isinstance(cache, StreamingSession) else None
+        # Aborts bypass the session wrapper: an aborted first turn must not become a session.
+        self._inner = cache.inner if isinstance(cache, StreamingSession) else cache
+        self._r2t = cache.req_to_token_pool
+        self._alloc = cache.token_to_kv_pool_allocator
+        self._page = int(cache.page_size)
+        self._token_pools: list | None = None
+        self.kv_writer = kv_writer
+        self.cache_prompt = cache_prompt
+        self.release_idle_sessions = release_idle_sessions
+        self.on_evict = on_evict
+        # Sessions whose last turn finished and whose next turn is not admitted yet, LRU first.
+        self.idle_sessions: OrderedDict[str, None] = OrderedDict()
+        self.evict_calls = 0
+        self.session_releases = 0
+
+    # ------------------------------------------------------------------ what it runs on
+    @property
+    def cache(self) -> BasePrefixCache:
+        return self._cache
+
+    @property
+    def page_size(self) -> int:
+        return self._page
+
+    @property
+    def req_to_token_pool(self):
+        return self._r2t
+
+    @property
+    def allocator(self):
+        return self._alloc
+
+    @property
+    def sessions(self) -> StreamingSession | None:
+        """The StreamingSession the engine runs on, or None."""
+        return self._sessions
+
+    def check(self, owners: Iterable[Any] = ()) -> list:
+        """``kvcore.InvariantChecker(cache).check(owners)``: the requests alive now."""
+        from kvcore.invariants import InvariantChecker
+
+        return InvariantChecker(self._cache).check(owners=list(owners))
+
+    # ------------------------------------------------------------------ room
+    def _pools_for_tokens(self) -> list:
+        if self._token_pools is None:
+            # A new token takes a slot in every pool the row indexes (full, window, ...).
+            self._token_pools = [v for v in self._cache.pools() if v.record_slots is None]
+        return self._token_pools
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` new token slots are free in every pool a token uses, without evicting."""
+        return all(v.allocator.available_size() >= n for v in self._pools_for_tokens())
+
+    def make_room(self, n: int) -> bool:
+        """Evict (``cache.make_room``) so that ``n`` new token slots fit; True when they do."""
+        if n <= 0 or self.fits(n):
+            return True
+        self._make_room(n)
+        return self.fits(n)
+
+    def _make_room(self, n: int) -> None:
+        res = self._cache.make_room(n)
+        self.evict_calls += 1
+        if self.on_evict is not None:
+            self.on_evict(res)
+
+    # ------------------------------------------------------------------ sessions
+    def session_is_live(self, session_id: str | None) -> bool:
+        """Whether the engine's StreamingSession holds KV for ``session_id``."""
+        s = self._sessions
+        if s is None or session_id is None:
+            return False
+        slot = s.slots.get(session_id)
+        return slot is not None and slot.kv.is_held
+
+    def release_idle_session(self, keep: str | None = None) -> bool:
+        """Release the least recently used idle session (not ``keep``); False when there is none."""
+        for sid in self.idle_sessions:
+            if sid != keep:
+                self.end_session(sid)
+                return True
+        return False
+
+    def end_session(self, session_id: str) -> int:
+        """Release a session's KV (its last turn is over); returns the token slots freed."""
+        self.idle_sessions.pop(session_id, None)
+        s = self._sessions
+        if s is None:
+            return 0
+        if session_id in s.slots:
+            self.session_releases += 1
+        return s.release_session(session_id)
+
+    def _retry(self, attempt: Callable[[], Any], need: int | Callable[[], int], keep: str | None) -> Any:
+        """``attempt()``; if it fails, make room for ``need`` once, then release idle sessions one by one."""
+        got = attempt()
+        if got is not None:
+            return got
+        n = need if isinstance(need, int) else need()
+        if n > 0:
+            self._make_room(n)
+            got = attempt()
+        while got is None and self.release_idle_sessions and self.release_idle_session(keep):
+            if n > 0 and not self.fits(n):
+                self._make_room(n)
+            got = attempt()
+        return got
+
+    # ------------------------------------------------------------------ slots
+    def alloc_slots(self, n: int, *, keep_session: str | None = None) -> torch.Tensor | None:
+        """``n`` token slots (page-aligned ``n`` when paged), or None with nothing taken.
+
+        Short: ``make_room(n)`` once, then idle sessions.  The caller owns the slots.
+        """
+        if n <= 0:
+            return _EMPTY
+        alloc = self._alloc
+        return self._retry(lambda: alloc.alloc(n), n, keep_session)
+
+    def extend_slots(self, req: Req, end: int) -> bool:
+        """Slots for row positions ``[kv_allocated_len, end)`` of ``req``; False (nothing changed) if short.
+
+        The rest of the last partial page first, then whole pages (SGLang's
+        ``alloc_extend``).  Writes the row, hands the slots to ``kv_writer`` and
+        moves ``kv_allocated_len``; committing is the caller's (``extend`` does it).
+        """
+        kv = req.kv
+        if not kv.is_held:
+            raise ValueError(f"request {req.rid!r} holds no req_to_token row; admit it first")
+        start = kv.kv_allocated_len
+        if end <= start:
+            return True
+        width = self._r2t.max_context_len
+        if end > width:
+            raise ValueError(f"request {req.rid!r}: {end} tokens exceed the row width {width}")
+        row = kv.req_pool_idx
+        n = end - start
+        p = self._page
+        alloc = self._alloc
+        if p == 1:
+            slots = self._retry(lambda: alloc.alloc(n), n, req.session_id)
+        else:
+            last = int(self._r2t.req_to_token[row, start - 1]) if start else -1
+            need = ceil_align(end, p) - ceil_align(start, p)
+            slots = self._retry(lambda: alloc.alloc_extend([start], [start], [end], [end], [last], n), need, req.session_id)
+        if slots is None:
+            return False
+        self._r2t.write((row, slice(start, end)), slots)
+        kv.kv_allocated_len = end
+        if self.kv_writer is not None:
+            self.kv_writer(slots)
+        return True
+
+    def alloc_decode(
+        self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One slot for each row at position ``seq_lens[i]`` (the row's current length); None if short.
+
+        ``rows`` and ``seq_lens`` are int64 tensors on the table's device,
+        ``seq_lens_cpu`` the same lengths on the CPU (defaults to a copy).  A
+        new page only where the last one is full.  Writes the table and hands the
+        slots to ``kv_writer``; the records are the caller's to move.
+        """
+        n = int(rows.numel())
+        if n == 0:
+            return _EMPTY
+        p = self._page
+        alloc = self._alloc
+        if p == 1:
+            slots = self._retry(lambda: alloc.alloc(n), n, None)
+        else:
+            lens_cpu = seq_lens.cpu() if seq_lens_cpu is None else seq_lens_cpu
+            last = self._r2t.req_to_token[rows, seq_lens - 1].to(torch.int64)
+            seq, seq_cpu = seq_lens + 1, lens_cpu + 1
+            slots = self._retry(
+                lambda: alloc.alloc_decode(seq, seq_cpu, last), lambda: p * int((lens_cpu % p == 0).sum()), None
+            )
+        if slots is None:
+            return None
+        self._r2t.write((rows, seq_lens), slots.to(torch.int32))
+        if self.kv_writer is not None:
+            self.kv_writer(slots)
+        return slots
+
+    # ------------------------------------------------------------------ 1. admit
+    def match(self, req: Req, max_prefix_len: int | None = None) -> Match:
+        """Match ``req``'s prefix (session-aware) and lock it; nothing else is taken yet.
+
+        ``max_prefix_len`` caps the key (default ``len(fill_ids) - 1``).
+        """
+        if req.kv.is_held:
+            raise ValueError(f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first")
+        fill = req.fill_ids
+        n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
+        key = RadixKey(fill[: max(n, 0)], req.extra_key)
+        cache = self._cache
+        if self._sessions is not None and req.session_id is not None:
+            result = self._sessions.match_prefix(key, req)
+        else:
+            result = cache.match_prefix(key)
+        lock = cache.inc_lock_ref(result.last_device_node)
+        return Match(req, result, lock, restored=req.kv.is_held)
+
+    def cancel(self, m: Match) -> None:
+        """Give back what ``match`` took: the lock (and a restored session record)."""
+        self._cache.dec_lock_ref(m.node, m.lock)
+        req = m.req
+        if m.restored:
+            # The record stays with its session; the request goes back to holding nothing.
+            req.kv = ReqKvInfo(swa_evict_floor=req.kv.swa_evict_floor)
+        req.prefix_indices = _EMPTY
+        req.last_node = None
+        req.lock = None
+
+    def admit(self, req: Req, max_prefix_len: int | None = None, *, matched: Match | None = None) -> bool:
+        """Match, lock, take a row, write the prefix.  False (nothing held, lock dropped) when rows run out."""
+        if matched is None:
+            if (
+                not self.session_is_live(req.session_id)
+                and self._r2t.available_size() == 0
+                and not (self.release_idle_sessions and self._free_a_row(req.session_id))
+            ):
+                return False
+            matched = self.match(req, max_prefix_len)
+        elif matched.req is not req:
+            raise ValueError(f"the match was made for {matched.req.rid!r}, not {req.rid!r}")
+        m = matched
+        kv = req.kv
+        if not m.restored and self._r2t.alloc([req]) is None:
+            if not (self.release_idle_sessions and self._free_a_row(req.session_id)) or self._r2t.alloc([req]) is None:
+                self.cancel(m)
+                return False
+        req.prefix_indices = m.result.device_indices
+        req.last_node = m.node
+        req.lock = m.lock
+        plen = m.prefix_len
+        if m.restored:
+            self.idle_sessions.pop(req.session_id, None)  # type: ignore[arg-type]
+        else:
+            kv.cache_protected_len = plen
+            if plen:
+                self._r2t.write((kv.req_pool_idx, slice(0, plen)), m.result.device_indices)
+        kv.kv_committed_len = kv.kv_allocated_len = plen
+        return True
+
+    def _free_a_row(self, keep: str | None) -> bool:
+        while self._r2t.available_size() == 0:
+            if not self.release_idle_session(keep):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ 2. extend
+    def extend(self, req: Req, end: int | None = None, *, chunked: bool | None = None) -> bool:
+        """Compute ``[kv_committed_len, end)`` of ``fill_ids`` (default: all of it) as one prefill chunk.
+
+        ``chunked`` (default: ``end < len(fill_ids)``): more chunks follow, so
+        ``cache_unfinished_req(chunked=True)``; otherwise the prefill is complete
+        and, with ``cache_prompt``, ``cache_unfinished_req`` puts the prompt in
+        the cache.  False, with nothing changed, when slots run short.
+        """
+        total = len(req.origin_input_ids) + len(req.output_ids)
+        end = total if end is None else min(end, total)
+        kv = req.kv
+        start = kv.kv_allocated_len
+        if end > start:
+            if start > 0 and self._cache.is_chunk_cache():
+                # A chunk cache keeps only the window: free what left it before the next chunk (SGLang).
+                self._cache.free_window_slots([req], [start])
+            if not self.extend_slots(req, end):
+                return False
+        if end > kv.kv_committed_len:
+            kv.kv_committed_len = end
+        if chunked is None:
+            chunked = end < total
+        if chunked:
+            cache_unfinished_req(req, self._cache, chunked=True)
+        elif self.cache_prompt:
+            cache_unfinished_req(req, self._cache)
+        return True
+
+    # ------------------------------------------------------------------ 3. decode
+    def free_window(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
+        """``cache.free_window_slots(reqs, pre_lens)``: one window free for a batch (0 without a window)."""
+        return self._cache.free_window_slots(reqs, pre_lens)
+
+    def decode(self, reqs: Sequence[Req], tokens: Sequence[int] | None = None, *, free_window: bool = True) -> int:
+        """One batched decode step: a slot and a token for every request.
+
+        ``tokens``: one sampled token per request (default ``0``).  Returns
+        ``len(reqs)``, or 0 when the slots do not fit (no record moved).
+        """
+        reqs = list(reqs)
+        if not reqs:
+            return 0
+        if tokens is None:
+            tokens = [0] * len(reqs)
+        elif len(tokens) != len(reqs):
+            raise ValueError(f"{len(tokens)} tokens for {len(reqs)} requests")
+        kvs = [req.kv for req in reqs]
+        lens = [kv.kv_allocated_len for kv in kvs]
+        rows = [kv.req_pool_idx for kv in kvs]
+        if None in rows or min(lens) == 0 or max(lens) >= self._r2t.max_context_len:
+            for req, n in zip(reqs, lens):
+                if not req.kv.is_held or n == 0:
+                    raise ValueError(f"request {req.rid!r} has no prefilled KV to decode after")
+                if n >= self._r2t.max_context_len:
+                    raise ValueError(f"request {req.rid!r}: {n + 1} tokens exceed the row width")
+        if free_window:
+            self._cache.free_window_slots(reqs, lens)
+        dev = self._r2t.req_to_token.device
+        lens_cpu = torch.tensor(lens, dtype=torch.int64)
+        seq = lens_cpu.to(dev)
+        slots = self.alloc_decode(torch.tensor(rows, dtype=torch.int64, device=dev), seq, lens_cpu)
+        if slots is None:
+            return 0
+        for req, kv, n, tok in zip(reqs, kvs, lens, tokens):
+            req.output_ids.append(tok)
+            kv.kv_allocated_len = kv.kv_committed_len = n + 1
+        return len(reqs)
+
+    # ------------------------------------------------------------------ 4. finish, abort, retract
+    def finish(self, req: Req, is_insert: bool = True) -> None:
+        """``kvcore.release_kv_cache``; a request holding nothing allocated is aborted instead."""
+        kv = req.kv
+        if not kv.is_held:
+            return
+        if kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
+            self._drop(req)
+            return
+        release_kv_cache(req, self._cache, is_insert)
+        sid = req.session_id
+        if sid is not None and self.session_is_live(sid):
+            self.idle_sessions[sid] = None
+            self.idle_sessions.move_to_end(sid)
+
+    def abort(self, req: Req) -> None:
+        """Give back everything ``req`` holds without caching any of it."""
+        s = self._sessions
+        sid = req.session_id
+        if s is not None and sid is not None and sid in s.slots and req.kv is s.slots[sid].kv:
+            # The turn ran on the session's record and rewrote its tail: the session goes too.
+            self.end_session(sid)
+        elif req.kv.is_held:
+            if req.kv.kv_allocated_len == 0 and req.kv.swa_evicted_seqlen == 0:
+                self._drop(req)
+            else:
+                release_kv_cache(req, self._inner, is_insert=False)
+        req.prefix_indices = _EMPTY
+        req.last_node = None
+        req.lock = None
+
+    def retract(self, req: Req) -> None:
+        """Abort ``req`` and reset its record for recompute; ``swa_evict_floor`` is kept."""
+        floor = req.kv.swa_evict_floor
+        self.abort(req)
+        req.kv = ReqKvInfo(swa_evict_floor=floor)
+
+    def _drop(self, req: Req) -> None:
+        """Unlock and give the row back: for a record that allocated nothing."""
+        if req.last_node is not None:
+            self._cache.dec_lock_ref(req.last_node, req.lock)
+        req.last_node = req.lock = None
+        self._r2t.free(req)
+
+
+# ENGINE-API-READY

@@ -1,0 +1,114 @@
+"""The tree kit: what every radix-tree prefix cache needs, for kvcore's backends and yours.
+
+kvcore's ``radix`` and ``swa`` backends are built on it; a third-party tree
+backend (a new eviction scheme, a new kind of per-node state) uses the same
+pieces and keeps only its own policy code.  Everything here is plain functions
+and ``__slots__`` classes: no per-call dispatch on the hot path.
+
+Keys
+    :func:`check_token_ids` (``ids[start:]`` are non-negative ints below 2**64,
+    one C pass; TypeError/ValueError naming the first bad id otherwise) and
+    :func:`checked_key` (any key-like value -> a checked :class:`kvcore.RadixKey`).
+    Keys with different ``extra_key`` never share a prefix.
+
+Walking a key
+    :func:`child_key` (the dict key of an edge: its first token, or first page as
+    a tuple, under ``(extra_key, page)`` at the root for another namespace) and
+    :func:`prefix_match_len` (the matched length of an edge, floored to whole
+    pages, by list-slice comparisons)::
+
+        node, pos = root, 0                 # ids: the key's token ids, n: their page-aligned length
+        while pos < n:
+            child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
+            if child is None:
+                break
+            end = pos + len(child.key)
+            if end <= n and ids[pos:end] == child.key:  # the whole edge: one comparison
+                node, pos = child, end
+                continue
+            m = prefix_match_len(ids, pos, child.key, n - pos, ps)
+            node = split_node(child, m, MyNode(), ps)   # the matched part becomes a node of its own
+            pos += m
+            break
+
+Nodes
+    :class:`Node` (``__slots__`` base: children, parent, key, value, ck,
+    extra_key, id, lock_ref, last_access_time, hit_count, hash_value).  A
+    subclass adds slots and lists the ones a split must carry in
+    ``split_copy`` / ``split_move``; :func:`split_node` cuts an edge and carries
+    them, the page hashes and the dict position.  :func:`path_to_root`,
+    :func:`check_locked`, :func:`lock_path`, :func:`unlock_path` are the lock
+    walks (a lock covers the path to the root); :func:`iter_subtree` visits a
+    subtree; :data:`next_node_id` numbers nodes in creation order.
+
+Order
+    :class:`LRUList`, an intrusive doubly linked list (a node carries its own
+    links, so several lists can hold one node).  Heap-ordered eviction uses the
+    policies of :mod:`kvcore.tree.policies` (``lru``, ``lfu``, ``fifo``, ``mru``,
+    ``filo``, ``priority``, ``slru`` and any a plugin registers through
+    ``kvcore_register_eviction_policies``), built by name with :func:`resolve_policy`;
+    :class:`EvictionStrategy` is their base and ``BUILTIN_POLICIES`` maps the
+    built-in names to their classes.
+
+KV events
+    :mod:`kvcore.tree.events`: :class:`PageStored`, :class:`PageRemoved`,
+    :class:`AllPagesCleared`, chained SHA-256 page hashes (:func:`page_hash`,
+    :func:`chain_page_hashes`) and :func:`record_stored` / :func:`record_removed`
+    for a node.
+
+Conventions a tree backend follows so the rest of kvcore can check it: node
+keys are whole pages (``len(key) % page_size == 0``); ``value`` holds the
+node's full-pool slots; a node taken out of the tree gets ``parent = None``;
+the cache yields every node's slots from ``iter_owned_slots()`` and reports
+its (evictable, protected) counts per pool from ``cached_sizes()``.
+"""
+
+from kvcore.keys import check_token_ids, checked_key
+from kvcore.tree.events import (
+    AllPagesCleared,
+    PageRemoved,
+    PageStored,
+    chain_page_hashes,
+    page_hash,
+    record_removed,
+    record_stored,
+)
+from kvcore.tree.lru import LRUList
+from kvcore.tree.match import child_key, prefix_match_len
+from kvcore.tree.node import (
+    Node,
+    check_locked,
+    iter_subtree,
+    lock_path,
+    next_node_id,
+    path_to_root,
+    split_node,
+    unlock_path,
+)
+from kvcore.tree.policies import BUILTIN_POLICIES, EvictionStrategy, resolve_policy
+
+__all__ = [
+    "AllPagesCleared",
+    "BUILTIN_POLICIES",
+    "EvictionStrategy",
+    "LRUList",
+    "Node",
+    "PageRemoved",
+    "PageStored",
+    "chain_page_hashes",
+    "check_locked",
+    "check_token_ids",
+    "checked_key",
+    "child_key",
+    "iter_subtree",
+    "lock_path",
+    "next_node_id",
+    "page_hash",
+    "path_to_root",
+    "prefix_match_len",
+    "record_removed",
+    "record_stored",
+    "resolve_policy",
+    "split_node",
+    "unlock_path",
+]
