@@ -11,6 +11,7 @@ from importlib.metadata import version as _version
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.chunk_cache import ChunkCache
 from kvcore.config import CacheConfig, CacheInitParams, KvBufferConfig, TreeCacheConfig
+from kvcore.engine import Engine
 from kvcore.errors import BackendNotFound, DeviceUnavailable, InvariantViolation, KvcoreError, PluginError
 from kvcore.factory import ConfigError, create_cache
 from kvcore.hookspecs import hookimpl, hookspec
@@ -44,6 +45,7 @@ __all__ = [
     "ChunkCache",
     "ConfigError",
     "DeviceUnavailable",
+    "Engine",
     "EvictResult",
     "InsertResult",
     "InvariantChecker",

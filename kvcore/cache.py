@@ -174,6 +174,12 @@ class BasePrefixCache(ABC):
         """Every slot the cache itself holds, by pool and owning node."""
         return iter(())
 
+    def sanity_check(self) -> None:
+        """Recount the backend's own structures and raise AssertionError on a mismatch.
+
+        ``InvariantChecker`` calls it after the pool checks; the default checks nothing.
+        """
+
     def session_slots(self) -> list[Any]:
         """Records the cache keeps alive between requests (a streaming session's slots); none by default."""
         return []

@@ -120,6 +120,10 @@ class InvariantChecker:
         reports = []
         for pool in cache.pools():
             reports.append(self._check_pool(pool, sizes.get(pool.name, (0, 0)), live, idle, page))
+        try:
+            cache.sanity_check()
+        except AssertionError as exc:
+            raise InvariantViolation(f"{type(cache).__name__}.sanity_check failed: {exc}") from exc
         return reports
 
     def _record_slots(self, pool: PoolView, kv, page: int) -> tuple[torch.Tensor, int]:

@@ -77,6 +77,18 @@ class TokenAllocator(Protocol):
 
     def alloc(self, need_size: int) -> torch.Tensor | None: ...
 
+    def alloc_extend(
+        self,
+        prefix_lens: Any,
+        prefix_lens_cpu: Any,
+        seq_lens: Any,
+        seq_lens_cpu: Any,
+        last_loc: Any,
+        extend_num_tokens: int,
+    ) -> torch.Tensor | None: ...
+
+    def alloc_decode(self, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> torch.Tensor | None: ...
+
     def free(self, free_index: Any) -> None: ...
 
     def free_row_segments(
