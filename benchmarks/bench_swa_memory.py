@@ -194,11 +194,15 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=128, help="sliding window W")
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--backends", default="swa,radix", help="comma list of swa, swa-chunk, radix")
-    ap.add_argument("--swa-size", type=int, default=0, help="window-pool slots (default: 2 x R x (W + 2 pages) + a prompt)")
+    ap.add_argument(
+        "--swa-size", type=int, default=0, help="window-pool slots (default: 2 x R x (W + 2 pages) + a prompt)"
+    )
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--check-every", type=int, default=0, help="run the invariant checker every N steps (0: at the end only)")
+    ap.add_argument(
+        "--check-every", type=int, default=0, help="run the invariant checker every N steps (0: at the end only)"
+    )
     ap.add_argument(
         "--no-batch-free",
         dest="batch_free",

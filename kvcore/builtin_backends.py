@@ -1,10 +1,26 @@
-"""Registers the built-in backend through the same hook third-party plugins use."""
+"""The core's own plugin: the ``chunk`` backend and the tree eviction policies.
+
+They register through the same hooks third-party plugins use, so
+``kvcore backends`` lists them with their distribution like any other.
+"""
 
 from kvcore.chunk_cache import ChunkCache
 from kvcore.config import CacheConfig
 from kvcore.hookspecs import hookimpl
+from kvcore.tree.policies import BUILTIN_POLICIES
 
 
 @hookimpl
 def kvcore_register_backends(register):
-    register("chunk", ChunkCache, config=CacheConfig, description="No prefix reuse: KV lives and dies with each request (SGLang ChunkCache)")
+    register(
+        "chunk",
+        ChunkCache,
+        config=CacheConfig,
+        description="No prefix reuse: KV lives and dies with each request (SGLang ChunkCache)",
+    )
+
+
+@hookimpl
+def kvcore_register_eviction_policies(register):
+    for name, factory in BUILTIN_POLICIES.items():
+        register(name, factory)

@@ -114,8 +114,9 @@ shortfalls are the cache's business (``free_window_slots``, ``make_room``,
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -184,7 +185,8 @@ class Engine:
         # Aborts bypass the session wrapper: an aborted first turn must not become a session.
         self._inner = cache.inner if isinstance(cache, StreamingSession) else cache
         self._r2t = cache.req_to_token_pool
-        self._alloc = cache.token_to_kv_pool_allocator
+        # alloc_extend / alloc_decode (SGLang's batch allocation) are not in the TokenAllocator protocol yet.
+        self._alloc: Any = cache.token_to_kv_pool_allocator
         self._page = int(cache.page_size)
         self._token_pools: list | None = None
         self.kv_writer = kv_writer
@@ -326,7 +328,9 @@ class Engine:
         else:
             last = int(self._r2t.req_to_token[row, start - 1]) if start else -1
             need = ceil_align(end, p) - ceil_align(start, p)
-            slots = self._retry(lambda: alloc.alloc_extend([start], [start], [end], [end], [last], n), need, req.session_id)
+            slots = self._retry(
+                lambda: alloc.alloc_extend([start], [start], [end], [end], [last], n), need, req.session_id
+            )
         if slots is None:
             return False
         self._r2t.write((row, slice(start, end)), slots)
@@ -373,7 +377,9 @@ class Engine:
         ``max_prefix_len`` caps the key (default ``len(fill_ids) - 1``).
         """
         if req.kv.is_held:
-            raise ValueError(f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first")
+            raise ValueError(
+                f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first"
+            )
         fill = req.fill_ids
         n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
         key = RadixKey(fill[: max(n, 0)], req.extra_key)

@@ -303,5 +303,5 @@ def get_eviction_policy(name: str) -> Callable[[], Any]:
     try:
         return policies[name]
     except KeyError:
-        known = ", ".join(sorted(policies)) or "none (is kvcore-radix installed?)"
+        known = ", ".join(sorted(policies)) or "none"
         raise ValueError(f"unknown eviction_policy {name!r}; known policies: {known}") from None

@@ -317,3 +317,64 @@ def test_package_exports_are_documented():
     doc = kt.__doc__
     for name in kt.__all__:
         assert name in doc, f"kvcore.tree.{name} is not described in the package docstring"
+
+
+# ---------------------------------------------------------------- a tree from the kit alone
+
+
+class ToyTree:
+    """The walk of the package docstring, plus an insert: a minimal tree backend's core."""
+
+    def __init__(self, page_size):
+        self.ps = page_size
+        self.root = Node([], torch.empty(0, dtype=torch.int64))
+
+    def walk(self, ids, extra_key=None):
+        ps, n = self.ps, len(ids) - len(ids) % self.ps
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
+            if child is None:
+                break
+            end = pos + len(child.key)
+            if end <= n and ids[pos:end] == child.key:
+                node, pos = child, end
+                continue
+            m = prefix_match_len(ids, pos, child.key, n - pos, ps)
+            node = split_node(child, m, Node(), ps)
+            pos += m
+            break
+        return node, pos, n
+
+    def insert(self, ids, extra_key=None):
+        node, pos, n = self.walk(ids, extra_key)
+        if pos < n:
+            ck = child_key(ids, pos, self.ps, extra_key if pos == 0 else None)
+            leaf = Node(ids[pos:n], torch.arange(pos, n), node, ck, extra_key)
+            node.children[ck] = leaf
+        return pos
+
+    def match(self, ids, extra_key=None):
+        node, pos, _ = self.walk(ids, extra_key)
+        return pos
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_toy_tree_from_the_kit_matches_a_reference(page_size):
+    rng = random.Random(7)
+    tree = ToyTree(page_size)
+    seen: list[tuple[str | None, list[int]]] = []
+    for _ in range(300):
+        extra = rng.choice([None, "a"])
+        if seen and rng.random() < 0.6:
+            base = rng.choice(seen)[1]
+            ids = base[: rng.randrange(len(base) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(12))]
+        else:
+            ids = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        # The longest page-aligned prefix shared with anything inserted before in the same namespace.
+        best = max((reference_len(ids, 0, k, len(ids), page_size) for e, k in seen if e == extra), default=0)
+        assert tree.match(ids, extra) == best
+        assert tree.insert(ids, extra) == best
+        seen.append((extra, ids[: len(ids) - len(ids) % page_size]))
+    for node in iter_subtree(tree.root):
+        assert node.parent.children[node.ck] is node and len(node.key) % page_size == 0 and node.key

@@ -37,6 +37,7 @@ The engine-protocol helpers (``make_req``, ``admit``, ``prefill``, ``decode``,
 reusable by other suites and benchmarks.
 """
 
+from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance, backend_page_sizes, snapshot
 from kvcore.testing.helpers import (
     abort,
     admit,
@@ -51,7 +52,6 @@ from kvcore.testing.helpers import (
     retract,
     run_request,
 )
-from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance, backend_page_sizes, snapshot
 from kvcore.testing.profiles import PROFILE_ENV, PROFILES, current_profile, load_profile
 
 load_profile()

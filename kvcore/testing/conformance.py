@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvcore.keys import RadixKey
 from kvcore.record import floor_align
@@ -57,7 +60,7 @@ def _toks(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _insert_owned(cache, key: RadixKey, reuse: bool):
+def _insert_owned(cache, key: RadixKey, reuse: bool | None):
     """Insert ``key`` with fresh slots and free what the cache did not keep; returns the InsertResult."""
     page = cache.page_size
     n = len(key)
@@ -451,141 +454,132 @@ class PrefixCacheConformance:
         check_invariants(cache)
 
     def test_state_machine(self, build, page_size):
-        from hypothesis.stateful import run_state_machine_as_test
-
         reuse = self.supports_prefix_reuse
 
-        def factory():
+        def factory() -> CacheStateMachine:
             return CacheStateMachine(build, page_size, reuse)
 
         run_state_machine_as_test(
-            factory, settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps)
+            cast(Any, factory), settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps)
         )
 
 
 # --------------------------------------------------------------------------- state machine
 
-try:
-    from hypothesis import strategies as st
-    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-except ImportError:  # pragma: no cover - hypothesis is a test dependency
-    RuleBasedStateMachine = object  # type: ignore[assignment,misc]
-    CacheStateMachine = None  # type: ignore[assignment]
-else:
+class CacheStateMachine(RuleBasedStateMachine):
+    """match / insert / lock / unlock / evict / admit / chunk / decode / finish on one cache.
 
-    class CacheStateMachine(RuleBasedStateMachine):
-        """match / insert / lock / unlock / evict / admit / chunk / decode / finish on one cache.
+    ``kvcore.InvariantChecker`` runs after every step with the live requests as owners;
+    teardown finishes everything, resets, and proves every slot is back.
+    """
 
-        ``kvcore.InvariantChecker`` runs after every step with the live requests as owners;
-        teardown finishes everything, resets, and proves every slot is back.
-        """
+    def __init__(self, build, page_size: int, reuse: bool | None = None):
+        super().__init__()
+        self.page = page_size
+        self.cache = build(pages=48, rows=6, width_pages=12)
+        self.reuse = (not self.cache.is_chunk_cache()) if reuse is None else reuse
+        self.total = pool_total(self.cache)
+        self.rows = self.cache.req_to_token_pool.size
+        self.live: list = []
+        self.locks: list = []
+        self.counter = 0
+        # A few shared stems so requests and inserts overlap.
+        self.stems = [[s] * page_size + [s + 1] * page_size for s in (1, 3, 5)]
 
-        def __init__(self, build, page_size: int, reuse: bool | None = None):
-            super().__init__()
-            self.page = page_size
-            self.cache = build(pages=48, rows=6, width_pages=12)
-            self.reuse = (not self.cache.is_chunk_cache()) if reuse is None else reuse
-            self.total = pool_total(self.cache)
-            self.rows = self.cache.req_to_token_pool.size
-            self.live: list = []
-            self.locks: list = []
-            self.counter = 0
-            # A few shared stems so requests and inserts overlap.
-            self.stems = [[s] * page_size + [s + 1] * page_size for s in (1, 3, 5)]
+    def _key(self, stem: int, tail: list[int], extra: str | None) -> list[int]:
+        return self.stems[stem] + tail
 
-        def _key(self, stem: int, tail: list[int], extra: str | None) -> list[int]:
-            return self.stems[stem] + tail
+    tails = st.lists(st.integers(0, 4), max_size=40)
 
-        tails = st.lists(st.integers(0, 4), max_size=40)
+    @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, None, "x"]))
+    def match(self, stem, tail, extra):
+        key = self._key(stem, tail, extra)
+        m = self.cache.match_prefix(RadixKey(key, extra))
+        n = m.device_indices.numel()
+        assert n % self.page == 0 and n <= len(key)
+        if not self.reuse:
+            assert n == 0
 
-        @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, None, "x"]))
-        def match(self, stem, tail, extra):
-            key = self._key(stem, tail, extra)
-            m = self.cache.match_prefix(RadixKey(key, extra))
-            n = m.device_indices.numel()
-            assert n % self.page == 0 and n <= len(key)
-            if not self.reuse:
-                assert n == 0
+    @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, "x"]))
+    def insert(self, stem, tail, extra):
+        key = RadixKey(self._key(stem, tail, extra), extra)
+        res = _insert_owned(self.cache, key, self.reuse)
+        if res is not None:
+            assert res.prefix_len % self.page == 0
+            assert res.prefix_len <= len(key)
 
-        @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, "x"]))
-        def insert(self, stem, tail, extra):
-            key = RadixKey(self._key(stem, tail, extra), extra)
-            res = _insert_owned(self.cache, key, self.reuse)
-            if res is not None:
-                assert res.prefix_len % self.page == 0
-                assert res.prefix_len <= len(key)
+    @rule(stem=st.integers(0, 2), tail=tails)
+    def lock(self, stem, tail):
+        m = self.cache.match_prefix(self._key(stem, tail, None))
+        self.locks.append((m.last_device_node, self.cache.inc_lock_ref(m.last_device_node)))
 
-        @rule(stem=st.integers(0, 2), tail=tails)
-        def lock(self, stem, tail):
-            m = self.cache.match_prefix(self._key(stem, tail, None))
-            self.locks.append((m.last_device_node, self.cache.inc_lock_ref(m.last_device_node)))
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 100))
+    def unlock(self, i):
+        node, lock = self.locks.pop(i % len(self.locks))
+        self.cache.dec_lock_ref(node, lock)
 
-        @precondition(lambda self: self.locks)
-        @rule(i=st.integers(0, 100))
-        def unlock(self, i):
-            node, lock = self.locks.pop(i % len(self.locks))
+    @rule(n=st.integers(0, 200))
+    def evict(self, n):
+        before = self.cache.evictable_size()
+        res = self.cache.evict(n)
+        assert res.num_tokens_evicted <= before
+        if self.reuse and n and before:
+            assert res.num_tokens_evicted >= min(n, before) or self.cache.evictable_size() == 0
+
+    @rule(stem=st.integers(0, 2), tail=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+          extra=st.sampled_from([None, "x"]), chunk=st.sampled_from([None, 5, 17]))
+    def start(self, stem, tail, extra, chunk):
+        self.counter += 1
+        req = make_req(f"q{self.counter}", self._key(stem, tail, extra), extra_key=extra)
+        if len(req.fill_ids) + 16 > self.cache.req_to_token_pool.max_context_len:
+            return
+        if not admit(self.cache, req):
+            return
+        self.live.append(req)
+        if chunk is None:
+            prefill(self.cache, req)
+        else:
+            prefill(self.cache, req, req.kv.kv_committed_len + chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), chunk=st.sampled_from([3, 16, 40]))
+    def continue_prefill(self, i, chunk):
+        req = self.live[i % len(self.live)]
+        if req.kv.kv_committed_len < len(req.fill_ids):
+            prefill(self.cache, req, req.kv.kv_committed_len + chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), n=st.integers(1, 6))
+    def decode(self, i, n):
+        req = self.live[i % len(self.live)]
+        width = self.cache.req_to_token_pool.max_context_len
+        if req.kv.kv_committed_len == len(req.fill_ids) and req.seqlen + n < width:
+            decode(self.cache, req, n)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), is_insert=st.booleans())
+    def finish(self, i, is_insert):
+        req = self.live.pop(i % len(self.live))
+        finish(self.cache, req, is_insert=is_insert)
+        assert not req.kv.is_held
+
+    @invariant()
+    def invariants_hold(self):
+        check_invariants(self.cache, self.live)
+        assert self.cache.evictable_size() >= 0 and self.cache.protected_size() >= 0
+        if not self.locks and not self.live:
+            assert self.cache.protected_size() == 0
+
+    def teardown(self):
+        for req in self.live:
+            finish(self.cache, req)
+        self.live.clear()
+        for node, lock in reversed(self.locks):
             self.cache.dec_lock_ref(node, lock)
-
-        @rule(n=st.integers(0, 200))
-        def evict(self, n):
-            before = self.cache.evictable_size()
-            res = self.cache.evict(n)
-            assert res.num_tokens_evicted <= before
-            if self.reuse and n and before:
-                assert res.num_tokens_evicted >= min(n, before) or self.cache.evictable_size() == 0
-
-        @rule(stem=st.integers(0, 2), tail=st.lists(st.integers(0, 4), min_size=1, max_size=60),
-              extra=st.sampled_from([None, "x"]), chunk=st.sampled_from([None, 5, 17]))
-        def start(self, stem, tail, extra, chunk):
-            self.counter += 1
-            req = make_req(f"q{self.counter}", self._key(stem, tail, extra), extra_key=extra)
-            if len(req.fill_ids) + 16 > self.cache.req_to_token_pool.max_context_len:
-                return
-            if not admit(self.cache, req):
-                return
-            self.live.append(req)
-            if chunk is None:
-                prefill(self.cache, req)
-            else:
-                prefill(self.cache, req, req.kv.kv_committed_len + chunk)
-
-        @precondition(lambda self: self.live)
-        @rule(i=st.integers(0, 100), chunk=st.sampled_from([3, 16, 40]))
-        def continue_prefill(self, i, chunk):
-            req = self.live[i % len(self.live)]
-            if req.kv.kv_committed_len < len(req.fill_ids):
-                prefill(self.cache, req, req.kv.kv_committed_len + chunk)
-
-        @precondition(lambda self: self.live)
-        @rule(i=st.integers(0, 100), n=st.integers(1, 6))
-        def decode(self, i, n):
-            req = self.live[i % len(self.live)]
-            if req.kv.kv_committed_len == len(req.fill_ids) and req.seqlen + n < self.cache.req_to_token_pool.max_context_len:
-                decode(self.cache, req, n)
-
-        @precondition(lambda self: self.live)
-        @rule(i=st.integers(0, 100), is_insert=st.booleans())
-        def finish(self, i, is_insert):
-            req = self.live.pop(i % len(self.live))
-            finish(self.cache, req, is_insert=is_insert)
-            assert not req.kv.is_held
-
-        @invariant()
-        def invariants_hold(self):
-            check_invariants(self.cache, self.live)
-            assert self.cache.evictable_size() >= 0 and self.cache.protected_size() >= 0
-            if not self.locks and not self.live:
-                assert self.cache.protected_size() == 0
-
-        def teardown(self):
-            for req in self.live:
-                finish(self.cache, req)
-            self.live.clear()
-            for node, lock in reversed(self.locks):
-                self.cache.dec_lock_ref(node, lock)
-            self.locks.clear()
-            check_invariants(self.cache)
-            self.cache.reset()
-            assert self.cache.token_to_kv_pool_allocator.available_size() == self.total
-            assert self.cache.req_to_token_pool.available_size() == self.rows
-            check_invariants(self.cache)
+        self.locks.clear()
+        check_invariants(self.cache)
+        self.cache.reset()
+        assert self.cache.token_to_kv_pool_allocator.available_size() == self.total
+        assert self.cache.req_to_token_pool.available_size() == self.rows
+        check_invariants(self.cache)

@@ -28,10 +28,13 @@ state machine with window eviction and early unlocks.  Every scenario ends with
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import pytest
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
 from kvcore.engine import Engine
 from kvcore.invariants import InvariantChecker
@@ -72,8 +75,8 @@ class SWAEngine:
         self,
         cache,
         *,
-        release_window_lock_after: Optional[int] = None,
-        sanity_check: Optional[Callable[[], Any]] = None,
+        release_window_lock_after: int | None = None,
+        sanity_check: Callable[[], Any] | None = None,
     ):
         self.cache = cache
         self.engine = Engine(cache, cache_prompt=False, release_idle_sessions=False)
@@ -100,7 +103,7 @@ class SWAEngine:
         self._decoded[id(req)] = 0
         return req
 
-    def prefill(self, req: Req, chunk: Optional[int] = None) -> None:
+    def prefill(self, req: Req, chunk: int | None = None) -> None:
         """Compute the prompt (all of ``fill_ids``) in chunks of ``chunk`` tokens."""
         eng = self.engine
         total = req.seqlen
@@ -133,7 +136,7 @@ class SWAEngine:
         self.live.remove(req)
         self.engine.retract(req)
 
-    def run(self, prompt: list[int], decode: list[int] = (), rid: str = "r", **kw) -> Req:
+    def run(self, prompt: Sequence[int], decode: Sequence[int] = (), rid: str = "r", **kw) -> Req:
         req = self.admit(Req(rid, list(prompt), **kw))
         self.prefill(req)
         for t in decode:
@@ -141,51 +144,45 @@ class SWAEngine:
         return req
 
 
-try:
-    from hypothesis import strategies as st
-    from hypothesis.stateful import precondition, rule
-except ImportError:  # pragma: no cover - hypothesis is a test dependency
-    SWACacheStateMachine = None  # type: ignore[assignment,misc]
-else:
+class SWACacheStateMachine(CacheStateMachine):
+    """The generic state machine plus window eviction and early window unlocks.
 
-    class SWACacheStateMachine(CacheStateMachine):
-        """The generic state machine plus window eviction and early window unlocks.
+    After every step the invariant checker counts both pools, and a backend with
+    ``sanity_check()`` recounts its sizes and LRU orders.
+    """
 
-        After every step the invariant checker counts both pools, and a backend with
-        ``sanity_check()`` recounts its sizes and LRU orders.
-        """
+    def __init__(self, build, page_size: int, reuse: bool | None = None,
+                 self_check: Callable[[Any], Any] | None = None):
+        super().__init__(build, page_size, reuse)
+        self.self_check = self_check
 
-        def __init__(self, build, page_size: int, reuse: bool | None = None,
-                     self_check: Optional[Callable[[Any], Any]] = None):
-            super().__init__(build, page_size, reuse)
-            self.self_check = self_check
+    @rule(n=st.integers(0, 120), m=st.integers(0, 120))
+    def evict_both(self, n, m):
+        cache = self.cache
+        before = pool_available(cache)
+        res = cache.evict(n, m)
+        after = pool_available(cache)
+        assert (after["full"] - before["full"], after["swa"] - before["swa"]) == (
+            res.num_tokens_evicted,
+            res.swa_num_tokens_evicted,
+        )
 
-        @rule(n=st.integers(0, 120), m=st.integers(0, 120))
-        def evict_both(self, n, m):
-            cache = self.cache
-            before = pool_available(cache)
-            res = cache.evict(n, m)
-            after = pool_available(cache)
-            assert (after["full"] - before["full"], after["swa"] - before["swa"]) == (
-                res.num_tokens_evicted,
-                res.swa_num_tokens_evicted,
-            )
+    @precondition(lambda self: self.locks or self.live)
+    @rule(i=st.integers(0, 100))
+    def release_window_lock(self, i):
+        holders = [(n, lk) for n, lk in self.locks] + [(r.last_node, r.lock) for r in self.live]
+        node, lock = holders[i % len(holders)]
+        if node is None or lock is None or (lock.extras or {}).get("swa_released"):
+            return
+        if self.cache.is_chunk_cache():
+            return
+        self.cache.dec_swa_lock_only(node, lock)
 
-        @precondition(lambda self: self.locks or self.live)
-        @rule(i=st.integers(0, 100))
-        def release_window_lock(self, i):
-            holders = [(n, lk) for n, lk in self.locks] + [(r.last_node, r.lock) for r in self.live]
-            node, lock = holders[i % len(holders)]
-            if node is None or lock is None or (lock.extras or {}).get("swa_released"):
-                return
-            if self.cache.is_chunk_cache():
-                return
-            self.cache.dec_swa_lock_only(node, lock)
+    @rule()
+    def sanity(self):
+        if self.self_check is not None:
+            self.self_check(self.cache)
 
-        @rule()
-        def sanity(self):
-            if self.self_check is not None:
-                self.self_check(self.cache)
 
 
 def _toks(n: int, start: int) -> list[int]:
@@ -253,8 +250,8 @@ class SWACacheConformance(PrefixCacheConformance):
         assert not views[0].windowed and views[1].windowed
         assert set(cache.cached_sizes()) >= {"full", "swa"}
         assert cache.sliding_window_size == 2 * cache.page_size
-        sizes = (cache.full_evictable_size(), cache.swa_evictable_size(), cache.full_protected_size(), cache.swa_protected_size())
-        assert sizes == (0, 0, 0, 0)
+        assert cache.full_evictable_size() == cache.swa_evictable_size() == 0
+        assert cache.full_protected_size() == cache.swa_protected_size() == 0
         res = cache.evict(0, 0)
         assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 0)
         with pytest.raises(ValueError):
@@ -274,7 +271,7 @@ class SWACacheConformance(PrefixCacheConformance):
             eng.prefill(r)
         bound = w + 2 * p
         for step in range(6 * p):
-            for i, r in enumerate(reqs):
+            for r in reqs:
                 eng.decode(r, 7 + step)
                 assert window_slots_held(r.kv) <= bound, (r, bound)
             if step % p == 0:
@@ -371,7 +368,8 @@ class SWACacheConformance(PrefixCacheConformance):
                 r = eng.live[rng.randrange(len(eng.live))]
                 eng.finish(r, is_insert=rng.random() < 0.85)
             else:
-                prompt = rng.choice(bases)[: rng.randrange(1, 6 * p)] + [rng.randrange(50) for _ in range(rng.randrange(1, 2 * p))]
+                tail = [rng.randrange(50) for _ in range(rng.randrange(1, 2 * p))]
+                prompt = rng.choice(bases)[: rng.randrange(1, 6 * p)] + tail
                 r = eng.admit(Req(f"r{it}", prompt, extra_key=rng.choice([None, None, "lora"])))
                 eng.prefill(r, chunk=rng.choice([None, p, 2 * p]))
                 for _ in range(rng.randrange(0, 4 * p)):
@@ -702,12 +700,12 @@ class SWACacheConformance(PrefixCacheConformance):
 
     def test_swa_state_machine(self, build, page_size):
         """The generic rules plus window eviction and early window unlocks."""
-        if SWACacheStateMachine is None:
-            pytest.skip("hypothesis is not installed")
-        from hypothesis.stateful import run_state_machine_as_test
-
         reuse = self.supports_prefix_reuse
+
+        def factory() -> SWACacheStateMachine:
+            return SWACacheStateMachine(build, page_size, reuse, self_check=self.self_check)
+
         run_state_machine_as_test(
-            lambda: SWACacheStateMachine(build, page_size, reuse, self_check=self.self_check),
+            cast(Any, factory),
             settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps),
         )

@@ -1,7 +1,9 @@
-"""Entry point of kvcore-radix (group ``kvcore``): the ``radix`` backend and the tree eviction policies."""
+"""Entry point of kvcore-radix (group ``kvcore``): the ``radix`` backend.
+
+Its eviction policies are the core's (``kvcore.tree.policies``), registered by kvcore itself.
+"""
 
 from kvcore import hookimpl
-from kvcore.tree.policies import BUILTIN_POLICIES
 from kvcore_radix.config import RadixConfig
 from kvcore_radix.radix_cache import RadixCache
 
@@ -15,8 +17,3 @@ def kvcore_register_backends(register):
         description="Radix-tree prefix cache with page-aligned reuse, locks and pluggable eviction (SGLang RadixCache)",
     )
 
-
-@hookimpl
-def kvcore_register_eviction_policies(register):
-    for name, factory in BUILTIN_POLICIES.items():
-        register(name, factory)

@@ -13,6 +13,7 @@ import heapq
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 
@@ -86,7 +87,7 @@ class RadixCache(BasePrefixCache):
     clock = staticmethod(time.monotonic)
 
     def __init__(self, params: CacheInitParams):
-        config = params.config
+        config = cast(RadixConfig, params.config)
         self.config = config
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -169,11 +170,11 @@ class RadixCache(BasePrefixCache):
     def _descend(self, ids: list, n: int, extra) -> tuple:
         """Read-only walk: (full-match path, its length, node a match ends inside or None, tokens matched in it)."""
         ps = self.page_size
-        ck = ids[0] if ps == 1 else tuple(ids[:ps])
+        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
         if extra is not None:
             ck = (extra, ck)
         children = self.root_node.children
-        path = []
+        path: list[TreeNode] = []
         pos = 0
         while True:
             child = children.get(ck)

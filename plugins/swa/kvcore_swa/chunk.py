@@ -14,6 +14,7 @@ from kvcore_swa.window import SlidingWindowMixin, window_size
 
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
+    from kvcore.pools import SWATokenToKVPoolAllocator
     from kvcore.record import Req
 
 __all__ = ["SWAChunkCache"]
@@ -28,9 +29,12 @@ class SWAChunkCache(SlidingWindowMixin, ChunkCache):
     the request's ``swa_evicted_seqlen``.
     """
 
+    token_to_kv_pool_allocator: SWATokenToKVPoolAllocator
+
     def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):
-        require_swa_allocator(params.token_to_kv_pool_allocator, "SWAChunkCache")
+        alloc = require_swa_allocator(params.token_to_kv_pool_allocator, "SWAChunkCache")
         super().__init__(params)
+        self.token_to_kv_pool_allocator = alloc
         self.sliding_window_size = window_size(params.config, sliding_window_size)
 
     def match_prefix(self, key) -> MatchResult:

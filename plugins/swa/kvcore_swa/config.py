@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 from pydantic import Field, field_validator, model_validator
 
 from kvcore.config import CacheConfig, TreeCacheConfig
+
+if TYPE_CHECKING:
+    from kvcore.pools import SWATokenToKVPoolAllocator
 
 __all__ = ["SWAConfig", "SWAChunkConfig", "min_swa_size", "require_swa_allocator"]
 

@@ -51,6 +51,7 @@ from kvcore_swa.window import SlidingWindowMixin, window_size
 
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
+    from kvcore.pools import SWATokenToKVPoolAllocator
     from kvcore.record import Req, ReqKvInfo
 
 __all__ = ["SWARadixCache", "SWATreeNode"]
@@ -134,6 +135,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
     :class:`kvcore.CacheInitParams` whose config carries ``sliding_window_size``.
     """
 
+    token_to_kv_pool_allocator: SWATokenToKVPoolAllocator
+
     def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):
         alloc = require_swa_allocator(params.token_to_kv_pool_allocator, "SWARadixCache")
         config = params.config
@@ -177,7 +180,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         Locks held on the old tree die with it: call this only when no request runs.
         """
         alloc = self.token_to_kv_pool_allocator
-        live, dead = [], []
+        live: list[torch.Tensor] = []
+        dead: list[torch.Tensor] = []
         nodes = list(iter_subtree(self.root_node))
         for node in nodes:
             (dead if node.tombstone else live).append(node.value)
@@ -258,7 +262,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         best_len = 0
         matched = 0
         ps = self.page_size
-        ck = ids[0] if ps == 1 else tuple(ids[:ps])
+        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
         if extra_key is not None:
             ck = (extra_key, ck)
         while pos < n:
@@ -400,7 +404,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         pos = 0
         t = self._tick()
         ps = self.page_size
-        ck = ids[0] if ps == 1 else tuple(ids[:ps])
+        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
         if extra_key is not None:
             ck = (extra_key, ck)
         while pos < n:

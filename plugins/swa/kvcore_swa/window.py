@@ -9,6 +9,7 @@ from kvcore.cache import EvictResult
 from kvcore.release import free_swa_out_of_window_slots_batch
 
 if TYPE_CHECKING:
+    from kvcore.pools import ReqToTokenPool, SWATokenToKVPoolAllocator
     from kvcore.record import Req
 
 __all__ = ["SlidingWindowMixin", "window_size"]
@@ -31,6 +32,19 @@ class SlidingWindowMixin:
     """
 
     sliding_window_size: int
+    page_size: int
+    req_to_token_pool: ReqToTokenPool
+
+    if TYPE_CHECKING:
+
+        @property
+        def token_to_kv_pool_allocator(self) -> SWATokenToKVPoolAllocator: ...
+        def full_evictable_size(self) -> int: ...
+        def full_protected_size(self) -> int: ...
+        def swa_evictable_size(self) -> int: ...
+        def swa_protected_size(self) -> int: ...
+        def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult: ...
+        def is_chunk_cache(self) -> bool: ...
 
     def cached_sizes(self) -> dict[str, tuple[int, int]]:
         return {

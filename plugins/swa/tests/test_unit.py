@@ -327,3 +327,86 @@ def test_finish_returns_window_slots_under_an_evict_floor(name):
     a = cache.token_to_kv_pool_allocator
     assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
     eng.check()
+
+
+# ---------------------------------------------------------------- core API: pools by name, room, window frees
+
+
+def test_cached_sizes_name_both_pools():
+    cache = make(sliding_window_size=4)
+    eng = SWAEngine(cache)
+    eng.finish(eng.run(list(range(12)), rid="a"))
+    node = cache.match_prefix(list(range(12))).last_device_node
+    lock = cache.inc_lock_ref(node)
+    assert cache.cached_sizes() == {
+        "full": (cache.full_evictable_size(), cache.full_protected_size()),
+        "swa": (cache.swa_evictable_size(), cache.swa_protected_size()),
+    }
+    # One 12-token node: the window lock covers whole nodes.
+    assert cache.cached_sizes() == {"full": (0, 12), "swa": (0, 12)}
+    cache.dec_lock_ref(node, lock)
+    assert make("swa-chunk").cached_sizes() == {"full": (0, 0), "swa": (0, 0)}
+
+
+def test_insert_reports_that_it_freed_the_duplicates():
+    cache = make()
+    alloc = cache.token_to_kv_pool_allocator
+    first = cache.insert(list(range(8)), alloc.alloc(8))
+    assert first.prefix_len == 0 and first.duplicates_freed
+    before = alloc.full_available_size(), alloc.swa_available_size()
+    again = cache.insert(list(range(8)), alloc.alloc(8))
+    assert again.prefix_len == 8 and again.duplicates_freed
+    # The second copy went straight back: both pools are where they were.
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == before
+    check(cache)
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-chunk"])
+def test_make_room_evicts_each_pools_shortfall(name):
+    cache = make(name, size=64, swa_size=32, sliding_window_size=8)
+    alloc = cache.token_to_kv_pool_allocator
+    assert (cache.make_room(16).num_tokens_evicted, cache.make_room(16).swa_num_tokens_evicted) == (0, 0)
+    if name == "swa-chunk":
+        return
+    eng = SWAEngine(cache)
+    for i in range(2):
+        eng.finish(eng.run([100 * i + t for t in range(12)], rid=f"r{i}"))
+    assert alloc.swa_available_size() == 8 and alloc.full_available_size() == 40
+    res = cache.make_room(16)
+    # The window pool was 8 short and the full pool was not: one leaf, evicted from both.
+    assert res.swa_num_tokens_evicted >= 8 and alloc.swa_available_size() >= 16
+    assert alloc.full_available_size() >= 16
+    check(cache)
+
+
+def test_free_window_slots_frees_what_left_the_window():
+    cache = make(sliding_window_size=4)
+    eng = SWAEngine(cache)
+    req = eng.run(list(range(20)), rid="a")
+    alloc = cache.token_to_kv_pool_allocator
+    swa_free, cursor = alloc.swa_available_size(), req.kv.swa_evicted_seqlen
+    # A tree keeps max(window, page) tokens: the cursor moves to 20 - 4.
+    released = kvcore.free_window_slots(cache, [req])
+    assert released == 16 - cursor and req.kv.swa_evicted_seqlen == 16
+    assert alloc.swa_available_size() == swa_free + released
+    assert cache.free_window_slots([req], [20]) == 0  # nothing more left the window
+    eng.finish(req)
+    check(cache)
+
+
+def test_swa_plugin_stands_alone():
+    import pathlib
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    tomllib = pytest.importorskip("tomllib")
+
+    import kvcore_swa
+
+    assert kvcore_swa.__version__ == version("kvcore-swa")
+    pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    assert not any(d.startswith("kvcore-") for d in deps), deps
+    code = "import sys, kvcore_swa; kvcore_swa.SWARadixCache; assert 'kvcore_radix' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
