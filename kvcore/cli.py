@@ -21,7 +21,7 @@ app = typer.Typer(
 def backends(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
-    """List every backend found, with its distribution, version and description, and every plugin that failed to load."""
+    """List every backend found (distribution, version, description) and every plugin that failed to load."""
     from kvcore.plugins import available_backends, available_eviction_policies, plugin_failures
 
     specs = available_backends()

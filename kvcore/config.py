@@ -99,7 +99,7 @@ class CacheInitParams:
     kv_pool: Any = None
 
     @classmethod
-    def from_config(cls, config: CacheConfig) -> "CacheInitParams":
+    def from_config(cls, config: CacheConfig) -> CacheInitParams:
         return cls(
             req_to_token_pool=config.build_req_to_token_pool(),
             token_to_kv_pool_allocator=config.build_allocator(),

@@ -19,7 +19,8 @@ def check_device(device: str | torch.device) -> torch.device:
     if text == "npu" or text.startswith("npu:"):
         if importlib.util.find_spec("torch_npu") is None:
             raise DeviceUnavailable(
-                f"device {text!r} requested but torch_npu is not installed; install torch-npu and the Ascend CANN toolkit"
+                f"device {text!r} requested but torch_npu is not installed; "
+                "install torch-npu and the Ascend CANN toolkit"
             )
         importlib.import_module("torch_npu")
         if not torch.npu.is_available():  # type: ignore[attr-defined]
@@ -33,9 +34,13 @@ def check_device(device: str | torch.device) -> torch.device:
         return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceUnavailable(f"device {device!r} requested but CUDA is not available here (torch {torch.__version__})")
+            raise DeviceUnavailable(
+                f"device {device!r} requested but CUDA is not available here (torch {torch.__version__})"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise DeviceUnavailable(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+            raise DeviceUnavailable(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
         return dev
     raise DeviceUnavailable(f"device type {dev.type!r} is not supported; use cpu, cuda or npu")
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -108,7 +109,9 @@ class InvariantChecker:
             if idx in free_row_set:
                 raise InvariantViolation(f"{name} holds req_to_token row {idx}, which is in the free list")
             if idx in held_rows:
-                raise InvariantViolation(f"req_to_token row {idx} is held by both {_owner_name(held_rows[idx])} and {name}")
+                raise InvariantViolation(
+                    f"req_to_token row {idx} is held by both {_owner_name(held_rows[idx])} and {name}"
+                )
             held_rows[idx] = owner
         if len(free_rows) + len(held_rows) != r2t.size:
             lost = sorted(set(range(1, r2t.size + 1)) - free_row_set - set(held_rows))
@@ -181,7 +184,9 @@ class InvariantChecker:
         owned_count = torch.bincount(owned_pages, minlength=num_pages + 1)
 
         def who(p: int) -> list[str]:
-            return [name for name, s in owners if s.numel() and bool((torch.div(s, page, rounding_mode="floor") == p).any())]
+            return [
+                name for name, s in owners if s.numel() and bool((torch.div(s, page, rounding_mode="floor") == p).any())
+            ]
 
         def slot_text(p: int) -> str:
             return f"slot {p}" if page == 1 else f"page {p} (slots {p * page}-{p * page + page - 1})"
@@ -206,7 +211,9 @@ class InvariantChecker:
         shared = (owned_count > 1).nonzero()
         if shared.numel():
             p = int(shared[0])
-            raise InvariantViolation(f"[{pool.name}] {slot_text(p)} is owned by more than one owner: {', '.join(who(p))}")
+            raise InvariantViolation(
+                f"[{pool.name}] {slot_text(p)} is owned by more than one owner: {', '.join(who(p))}"
+            )
         lost = ((free_count == 0) & (owned_count == 0)).nonzero().flatten()
         lost = lost[lost > 0]
         if lost.numel():

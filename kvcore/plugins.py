@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -62,10 +63,16 @@ class BackendSpec:
             "version": self.version,
             "plugin": self.plugin,
             "description": self.description,
-            "factory": f"{getattr(self.factory, '__module__', '?')}.{getattr(self.factory, '__qualname__', repr(self.factory))}",
+            "factory": _qualified_name(self.factory),
             "config": f"{self.config.__module__}.{self.config.__qualname__}",
             "options": sorted(self.config.model_fields),
         }
+
+
+def _qualified_name(factory: Callable[..., Any]) -> str:
+    # A factory may be any callable (a functools.partial has no __qualname__).
+    module = getattr(factory, "__module__", "?")
+    return f"{module}.{getattr(factory, '__qualname__', repr(factory))}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,9 +170,16 @@ def _collect(state: _State) -> None:
         origin = state.origins.get(impl.plugin_name, _Origin(impl.plugin_name, "?", "?"))
         mine: list[BackendSpec] = []
 
-        def register(name: str, factory: Callable[..., Any], config: type[CacheConfig] = CacheConfig,
-                     description: str = "", *, reference: str | None = None,
-                     _origin: _Origin = origin, _mine: list[BackendSpec] = mine) -> None:
+        def register(
+            name: str,
+            factory: Callable[..., Any],
+            config: type[CacheConfig] = CacheConfig,
+            description: str = "",
+            *,
+            reference: str | None = None,
+            _origin: _Origin = origin,
+            _mine: list[BackendSpec] = mine,
+        ) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(f"backend name must be a non-empty string, got {name!r}")
             if not callable(factory):
@@ -178,13 +192,17 @@ def _collect(state: _State) -> None:
                 raise PluginError(f"backend {name!r} registered twice by {_origin.distribution}")
             doc = description or (getattr(factory, "__doc__", None) or "").strip().split("\n")[0]
             _mine.append(
-                BackendSpec(name, factory, config, doc, _origin.distribution, _origin.version, _origin.plugin, reference)
+                BackendSpec(
+                    name, factory, config, doc, _origin.distribution, _origin.version, _origin.plugin, reference
+                )
             )
 
         try:
             impl.function(register=register)
         except Exception as exc:
-            state.failures.append(PluginFailure(origin.plugin, origin.distribution, f"registration failed: {_describe(exc)}"))
+            state.failures.append(
+                PluginFailure(origin.plugin, origin.distribution, f"registration failed: {_describe(exc)}")
+            )
             continue
         for spec in mine:
             claims.setdefault(spec.name, []).append(spec)
@@ -213,7 +231,9 @@ def _collect(state: _State) -> None:
         try:
             impl.function(register=register_policy)
         except Exception as exc:
-            state.failures.append(PluginFailure(origin.plugin, origin.distribution, f"policy registration failed: {_describe(exc)}"))
+            state.failures.append(
+                PluginFailure(origin.plugin, origin.distribution, f"policy registration failed: {_describe(exc)}")
+            )
 
 
 class PluginRegistry:

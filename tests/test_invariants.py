@@ -38,7 +38,9 @@ def test_forgotten_owner_shows_as_leak():
 def test_owned_and_free_slot_names_slot_and_owner():
     cache, req, slots = cache_with_request()
     cache.token_to_kv_pool_allocator.free(slots[2:3])  # freed behind the owner's back
-    with pytest.raises(InvariantViolation, match=rf"slot {int(slots[2])} is in the free list but owned by request 'victim'"):
+    with pytest.raises(
+        InvariantViolation, match=rf"slot {int(slots[2])} is in the free list but owned by request 'victim'"
+    ):
         InvariantChecker(cache).check([req])
 
 

@@ -6,4 +6,12 @@ from kvcore.pools.req_to_token import ReqToTokenPool
 from kvcore.pools.swa_allocator import SWATokenToKVPoolAllocator
 from kvcore.pools.views import PageAllocator, PoolView, TokenAllocator
 
-__all__ = ["ReqToTokenPool", "TokenToKVPoolAllocator", "SWATokenToKVPoolAllocator", "MHATokenToKVPool", "PoolView", "PageAllocator", "TokenAllocator"]
+__all__ = [
+    "ReqToTokenPool",
+    "TokenToKVPoolAllocator",
+    "SWATokenToKVPoolAllocator",
+    "MHATokenToKVPool",
+    "PoolView",
+    "PageAllocator",
+    "TokenAllocator",
+]
