@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Annotated, List, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -13,9 +13,9 @@ from kvcore.bench.workloads import WORKLOADS
 __all__ = ["bench"]
 
 _WORKLOAD_HELP = (
-    ", ".join(WORKLOADS) + " [default: trace with --trace; "
-    + "".join(f"{n} when every backend takes {w.favours!r}; " for n, w in WORKLOADS.items() if w.favours)
-    + f"else {next(iter(WORKLOADS))}]."
+    ", ".join(WORKLOADS) + " (default: trace with --trace; "
+    + "".join(f"{n} when every backend takes {w.favours}; " for n, w in WORKLOADS.items() if w.favours)
+    + f"else {next(iter(WORKLOADS))})."
 )
 _DEVICES = ("cpu", "cuda", "npu")
 
@@ -60,30 +60,144 @@ def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
 
 
 def bench(
-    backend: Annotated[Optional[List[str]], typer.Option("--backend", "-b", metavar="NAME", help="Backend to run; repeat to compare several.")] = None,
-    compare: Annotated[Optional[str], typer.Option("--compare", help="Comma-separated backends to run side by side (ratios against the first).")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda (cuda:N) or npu; on cuda/npu every prefill and decode writes real K/V.")] = "cpu",
-    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help=_WORKLOAD_HELP)] = None,
-    trace: Annotated[Optional[str], typer.Option("--trace", help="Mooncake JSONL trace to replay (implies --workload trace; default: the shipped sample).")] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend", "-b", metavar="NAME",
+            help="Backend to run; repeat to compare several.",
+        ),
+    ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            "--compare",
+            help="Comma-separated backends to run side by side (ratios against the first).",
+        ),
+    ] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="cpu, cuda (cuda:N) or npu; on cuda/npu every prefill and decode writes real K/V.",
+        ),
+    ] = "cpu",
+    workload: Annotated[str | None, typer.Option("--workload", "-w", help=_WORKLOAD_HELP)] = None,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            help="Mooncake JSONL trace to replay (implies --workload trace; default: the shipped sample).",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the workload generator.")] = 0,
-    num_requests: Annotated[Optional[int], typer.Option("--num-requests", "-n", help="Requests to generate (trace: first N lines); default depends on the workload.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (a list when several backends run).")] = False,
+    num_requests: Annotated[
+        int | None,
+        typer.Option(
+            "--num-requests", "-n",
+            help="Requests to generate (trace: first N lines); default depends on the workload.",
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the report as JSON (a list when several backends run).",
+        ),
+    ] = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown (for READMEs).")] = False,
-    plot: Annotated[Optional[str], typer.Option("--plot", help="Write pool occupancy and hit rate over time to this PNG (needs matplotlib).")] = None,
-    check_every: Annotated[int, typer.Option("--check-every", help="Also run the invariant checker every N steps (0: only at the end).")] = 0,
+    plot: Annotated[
+        str | None,
+        typer.Option(
+            "--plot",
+            help="Write pool occupancy and hit rate over time to this PNG (needs matplotlib).",
+        ),
+    ] = None,
+    check_every: Annotated[
+        int,
+        typer.Option(
+            "--check-every",
+            help="Also run the invariant checker every N steps (0: only at the end).",
+        ),
+    ] = 0,
     size: Annotated[int, typer.Option("--size", help="Token slots in the (full) KV pool.")] = 65536,
     page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page.")] = 1,
-    max_num_reqs: Annotated[int, typer.Option("--max-num-reqs", help="req_to_token rows: the most requests (and idle sessions) at once.")] = 128,
-    chunk_size: Annotated[int, typer.Option("--chunk-size", help="Prefill token budget per step (chunked prefill).")] = 2048,
+    max_num_reqs: Annotated[
+        int,
+        typer.Option(
+            "--max-num-reqs",
+            help="req_to_token rows: the most requests (and idle sessions) at once.",
+        ),
+    ] = 128,
+    chunk_size: Annotated[
+        int,
+        typer.Option(
+            "--chunk-size",
+            help="Prefill token budget per step (chunked prefill).",
+        ),
+    ] = 2048,
     window: Annotated[int, typer.Option("--window", help="sliding_window_size for SWA backends.")] = 256,
-    swa_size: Annotated[Optional[int], typer.Option("--swa-size", help="Window-pool slots for SWA backends (default: --size).")] = None,
-    swa_interval: Annotated[int, typer.Option("--swa-interval", help="Free out-of-window slots once this many tokens slid out (SGLang's SGLANG_SWA_EVICTION_INTERVAL, 128 there); 1 keeps each request within W + 2 pages.")] = 1,
-    sessions: Annotated[bool, typer.Option("--sessions/--no-sessions", help="Run follow-up turns of multi-turn conversations on streaming sessions.")] = True,
-    eviction_policy: Annotated[Optional[str], typer.Option("--eviction-policy", help="Eviction policy for tree backends (lru, lfu, ...).")] = None,
-    step_ms: Annotated[float, typer.Option("--step-ms", help="Trace replay: milliseconds of trace time per scheduler step.")] = 20.0,
-    reference: Annotated[Optional[str], typer.Option("--reference", metavar="NAME", help="The backend to compare against: run alongside a single backend (default: the one its plugin names, else radix), or first in a comparison so the ratios are against it.")] = None,
-    no_reference: Annotated[bool, typer.Option("--no-reference", help="Run a single backend alone, without its reference.")] = False,
-    write_kv: Annotated[Optional[bool], typer.Option("--write-kv/--no-write-kv", help="Write K/V bytes into the device buffer (default: on for cuda/npu).")] = None,
+    swa_size: Annotated[
+        int | None,
+        typer.Option(
+            "--swa-size",
+            help="Window-pool slots for SWA backends (default: --size).",
+        ),
+    ] = None,
+    swa_interval: Annotated[
+        int,
+        typer.Option(
+            "--swa-interval",
+            help=(
+                "Free out-of-window slots once this many tokens slid out (SGLang's SGLANG_SWA_EVICTION_INTERVAL, "
+                "128 there); 1 keeps each request within W + 2 pages."
+            ),
+        ),
+    ] = 1,
+    sessions: Annotated[
+        bool,
+        typer.Option(
+            "--sessions/--no-sessions",
+            help="Run follow-up turns of multi-turn conversations on streaming sessions.",
+        ),
+    ] = True,
+    eviction_policy: Annotated[
+        str | None,
+        typer.Option(
+            "--eviction-policy",
+            help="Eviction policy for tree backends (lru, lfu, ...).",
+        ),
+    ] = None,
+    step_ms: Annotated[
+        float,
+        typer.Option(
+            "--step-ms",
+            help="Trace replay: milliseconds of trace time per scheduler step.",
+        ),
+    ] = 20.0,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            "--reference", metavar="NAME",
+            help=(
+                "The backend to compare against: run alongside a single backend (default: the one its plugin "
+                "names, else radix), or first in a comparison so the ratios are against it."
+            ),
+        ),
+    ] = None,
+    no_reference: Annotated[
+        bool,
+        typer.Option(
+            "--no-reference",
+            help="Run a single backend alone, without its reference.",
+        ),
+    ] = False,
+    write_kv: Annotated[
+        bool | None,
+        typer.Option(
+            "--write-kv/--no-write-kv",
+            help="Write K/V bytes into the device buffer (default: on for cuda/npu).",
+        ),
+    ] = None,
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
 
@@ -133,7 +247,7 @@ def bench(
         names = run_names = [reference, *(n for n in names if n != reference)]
 
     progress = None
-    bar = contextlib.nullcontext()
+    bar: Any = contextlib.nullcontext()
     if sys.stderr.isatty() and not as_json:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -167,7 +281,7 @@ def bench(
         import json
 
         if with_reference:
-            payload = dict(public[0], reference=public[1])
+            payload: Any = dict(public[0], reference=public[1])
         elif len(names) == 1:
             payload = public[0]
         else:

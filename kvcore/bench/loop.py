@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -35,8 +36,6 @@ from kvcore.errors import InvariantViolation, KvcoreError
 from kvcore.record import Req, ReqKvInfo, ceil_align
 
 __all__ = ["BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache", "cache_options"]
-
-_EMPTY = torch.empty((0,), dtype=torch.int64)
 
 
 class BenchStalled(KvcoreError, RuntimeError):
@@ -170,13 +169,16 @@ class _Loop:
         self._blocked_job: _Job | None = None
         self._blocked_room = 0
         self._dirty = True
-        self._rows_t = self._off_t = self._off_cpu = None
+        self._rows_t: torch.Tensor | None = None
+        self._off_t: torch.Tensor | None = None
+        self._off_cpu: torch.Tensor | None = None
         self.chunked: _Job | None = None
         self.later: list[tuple[int, int, RequestSpec]] = []  # follow-up turns: (ready step, order, spec)
         self.next_turn: dict[str, list[RequestSpec]] = {}
         self.finished = 0
         self.new_token_ratio = 0.7
         self.bt = Stopwatch()  # time inside the engine (the backend and its pools)
+        self.ct = Stopwatch()  # invariant checks (not part of the run's wall time)
 
     # ------------------------------------------------------------------ setup
     def _check_fits(self) -> None:
@@ -368,12 +370,13 @@ class _Loop:
         if outputs and len(req.output_ids) != length - len(req.origin_input_ids):
             req.output_ids = job.spec.output[: length - len(req.origin_input_ids)]
 
-    def _tensors(self):
-        if self._dirty:
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._dirty or self._rows_t is None or self._off_t is None or self._off_cpu is None:
             running = self.running
+            off_cpu = torch.tensor([j.off for j in running], dtype=torch.int64)
             self._rows_t = torch.tensor([j.req.kv.req_pool_idx for j in running], dtype=torch.int64, device=self.dev)
-            self._off_cpu = torch.tensor([j.off for j in running], dtype=torch.int64)
-            self._off_t = self._off_cpu.to(self.dev)
+            self._off_cpu = off_cpu
+            self._off_t = off_cpu.to(self.dev)
             self._dirty = False
         return self._rows_t, self._off_t, self._off_cpu
 
@@ -478,15 +481,16 @@ class _Loop:
         return owners
 
     def _check(self) -> None:
-        t = time.perf_counter()
-        self.res.checks += 1
-        try:
-            self.engine.check(self._owners())
-        except InvariantViolation as exc:
-            self.res.invariant_violations += 1
-            if len(self.res.violations) < 5:
-                self.res.violations.append(f"step {self.step}: {exc}")
-        self.res.check_s += time.perf_counter() - t
+        res = self.res
+        res.checks += 1
+        with self.ct:
+            try:
+                self.engine.check(self._owners())
+            except InvariantViolation as exc:
+                res.invariant_violations += 1
+                if len(res.violations) < 5:
+                    res.violations.append(f"step {self.step}: {exc}")
+        res.check_s = self.ct.seconds
 
     # ------------------------------------------------------------- the run
     def run(self) -> RunResult:

@@ -16,7 +16,7 @@ class Stopwatch:
         self.seconds = 0.0
         self._t0 = 0.0
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._t0 = perf_counter()
         return self
 

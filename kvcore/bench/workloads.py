@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 from kvcore.bench.spec import VOCAB, RequestSpec, TokenSource, Workload
 from kvcore.bench.trace import load_trace
@@ -40,7 +41,7 @@ class WorkloadDef:
     name: str
     default_num_requests: int | None
     summary: str
-    build: Callable[[int | None, int, "str | None", float], Workload]
+    build: Callable[[int | None, int, str | None, float], Workload]
     takes_trace: bool = False
     favours: str | None = None
 
@@ -80,7 +81,9 @@ def _arrivals(rng: random.Random, n: int, rate: float) -> list[int]:
     "outputs 32-384; 4 arrivals/step",
 )
 def _shared_prefix(n: int, seed: int) -> Workload:
-    p = dict(groups=16, min_group=8, system_prompt=(512, 1536), suffix=(32, 256), output=(32, 384), rate=4.0)
+    p: dict[str, Any] = dict(
+        groups=16, min_group=8, system_prompt=(512, 1536), suffix=(32, 256), output=(32, 384), rate=4.0
+    )
     rng = random.Random(seed)
     toks = TokenSource(seed)
     num_groups = max(1, min(p["groups"], math.ceil(n / p["min_group"])))
@@ -100,7 +103,7 @@ def _shared_prefix(n: int, seed: int) -> Workload:
     "on a streaming session (`--no-sessions` sends them through the tree)",
 )
 def _multi_turn(n: int, seed: int) -> Workload:
-    p = dict(
+    p: dict[str, Any] = dict(
         turns=(2, 6), system_prompts=4, system_prompt=(256, 768), user=(64, 256), output=(32, 256),
         think=(5, 60), rate=0.5,
     )
@@ -130,7 +133,9 @@ def _multi_turn(n: int, seed: int) -> Workload:
     "64 prefixes of 256-2048 tokens picked with Zipf(1.1) popularity, 16-128 token suffixes, outputs 32-256",
 )
 def _zipf(n: int, seed: int) -> Workload:
-    p = dict(prefixes=64, exponent=1.1, prefix=(256, 2048), suffix=(16, 128), output=(32, 256), rate=4.0)
+    p: dict[str, Any] = dict(
+        prefixes=64, exponent=1.1, prefix=(256, 2048), suffix=(16, 128), output=(32, 256), rate=4.0
+    )
     rng = random.Random(seed)
     toks = TokenSource(seed)
     prefixes = [toks.take(rng.randint(*p["prefix"])) for _ in range(p["prefixes"])]
