@@ -95,6 +95,8 @@ class BasePrefixCache(ABC):
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool_allocator: TokenAllocator
     page_size: int
+    # The K/V data buffer built from the ``kv_buffer`` option (CacheInitParams.kv_pool), if any.
+    kv_pool: Any = None
     # Set by create_cache: the registered name, this cache's own plugin manager and its hook relay.
     backend_name: str = ""
     plugin_manager: Any = None

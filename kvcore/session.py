@@ -90,6 +90,7 @@ class StreamingSession(BasePrefixCache):
         self.req_to_token_pool = inner.req_to_token_pool
         self.token_to_kv_pool_allocator = inner.token_to_kv_pool_allocator
         self.page_size = inner.page_size
+        self.kv_pool = inner.kv_pool
 
     def __getattr__(self, name: str):
         # Backend-specific attributes (sliding_window_size, ...) read through.

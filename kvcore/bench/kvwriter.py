@@ -49,8 +49,7 @@ class KVWriter:
 def make_kv_writer(cache: Any, device: torch.device, *, rows: int, layers: int, heads: int, head_dim: int) -> KVWriter:
     """A writer into ``cache``'s KV buffer (built from the ``kv_buffer`` option), or into a new
     ``MHATokenToKVPool`` over its first pool when the backend keeps none."""
-    # CacheInitParams.kv_pool, which backends keep as ``kv_pool``; not (yet) a BasePrefixCache attribute.
-    pool = getattr(cache, "kv_pool", None)
+    pool = cache.kv_pool
     if pool is None:
         from kvcore.pools import MHATokenToKVPool
 
