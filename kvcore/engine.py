@@ -146,10 +146,7 @@ class Match:
     result: MatchResult
     lock: LockResult
     restored: bool
-
-    @property
-    def prefix_len(self) -> int:
-        return int(self.result.device_indices.numel())
+    prefix_len: int
 
     @property
     def node(self) -> Any:
@@ -278,10 +275,11 @@ class Engine:
         return s.release_session(session_id)
 
     def _retry(self, attempt: Callable[[], Any], need: int | Callable[[], int], keep: str | None) -> Any:
-        """``attempt()``; if it fails, make room for ``need`` once, then release idle sessions one by one."""
-        got = attempt()
-        if got is not None:
-            return got
+        """After ``attempt()`` failed once: make room for ``need``, then release idle sessions one by one.
+
+        Only the short path comes here, so the common path pays no closure or call.
+        """
+        got = None
         n = need if isinstance(need, int) else need()
         if n > 0:
             self._make_room(n)
@@ -301,7 +299,8 @@ class Engine:
         if n <= 0:
             return _EMPTY
         alloc = self._alloc
-        return self._retry(lambda: alloc.alloc(n), n, keep_session)
+        slots = alloc.alloc(n)
+        return slots if slots is not None else self._retry(lambda: alloc.alloc(n), n, keep_session)
 
     def extend_slots(self, req: Req, end: int) -> bool:
         """Slots for row positions ``[kv_allocated_len, end)`` of ``req``; False (nothing changed) if short.
@@ -324,13 +323,17 @@ class Engine:
         p = self._page
         alloc = self._alloc
         if p == 1:
-            slots = self._retry(lambda: alloc.alloc(n), n, req.session_id)
+            slots = alloc.alloc(n)
+            if slots is None:
+                slots = self._retry(lambda: alloc.alloc(n), n, req.session_id)
         else:
             last = int(self._r2t.req_to_token[row, start - 1]) if start else -1
-            need = ceil_align(end, p) - ceil_align(start, p)
-            slots = self._retry(
-                lambda: alloc.alloc_extend([start], [start], [end], [end], [last], n), need, req.session_id
-            )
+            slots = alloc.alloc_extend([start], [start], [end], [end], [last], n)
+            if slots is None:
+                need = ceil_align(end, p) - ceil_align(start, p)
+                slots = self._retry(
+                    lambda: alloc.alloc_extend([start], [start], [end], [end], [last], n), need, req.session_id
+                )
         if slots is None:
             return False
         self._r2t.write((row, slice(start, end)), slots)
@@ -355,14 +358,18 @@ class Engine:
         p = self._page
         alloc = self._alloc
         if p == 1:
-            slots = self._retry(lambda: alloc.alloc(n), n, None)
+            slots = alloc.alloc(n)
+            if slots is None:
+                slots = self._retry(lambda: alloc.alloc(n), n, None)
         else:
             lens_cpu = seq_lens.cpu() if seq_lens_cpu is None else seq_lens_cpu
             last = self._r2t.req_to_token[rows, seq_lens - 1].to(torch.int64)
             seq, seq_cpu = seq_lens + 1, lens_cpu + 1
-            slots = self._retry(
-                lambda: alloc.alloc_decode(seq, seq_cpu, last), lambda: p * int((lens_cpu % p == 0).sum()), None
-            )
+            slots = alloc.alloc_decode(seq, seq_cpu, last)
+            if slots is None:
+                slots = self._retry(
+                    lambda: alloc.alloc_decode(seq, seq_cpu, last), lambda: p * int((lens_cpu % p == 0).sum()), None
+                )
         if slots is None:
             return None
         self._r2t.write((rows, seq_lens), slots.to(torch.int32))
@@ -380,7 +387,8 @@ class Engine:
             raise ValueError(
                 f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first"
             )
-        fill = req.fill_ids
+        # A request that has generated nothing yet matches on its prompt: no fill_ids copy.
+        fill = req.fill_ids if req.output_ids else req.origin_input_ids
         n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
         key = RadixKey(fill[: max(n, 0)], req.extra_key)
         cache = self._cache
@@ -389,7 +397,7 @@ class Engine:
         else:
             result = cache.match_prefix(key)
         lock = cache.inc_lock_ref(result.last_device_node)
-        return Match(req, result, lock, restored=req.kv.is_held)
+        return Match(req, result, lock, req.kv.is_held, int(result.device_indices.numel()))
 
     def cancel(self, m: Match) -> None:
         """Give back what ``match`` took: the lock (and a restored session record)."""

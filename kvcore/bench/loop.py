@@ -139,6 +139,8 @@ class _Loop:
         # The pools a new token takes a slot in (the row indexes them); a windowed one also
         # gives slots back as the request slides past its window.
         self.token_pools = [v for v in cache.pools() if v.record_slots is None]
+        # (name, allocator, windowed) per token pool: _rooms runs for every admission.
+        self._room_pools = [(v.name, v.allocator, v.windowed) for v in self.token_pools]
         self.windowed = any(v.windowed for v in self.token_pools)
         self.window = int(opts.get("sliding_window_size", 0)) if self.windowed else 0
         if self.windowed:
@@ -207,8 +209,8 @@ class _Loop:
         sizes = self.backend.cached_sizes()
         full, window = self._reserve()
         return [
-            v.allocator.available_size() + sizes.get(v.name, (0, 0))[0] - (window if v.windowed else full)
-            for v in self.token_pools
+            alloc.available_size() + sizes.get(name, (0, 0))[0] - (window if windowed else full)
+            for name, alloc, windowed in self._room_pools
         ]
 
     def _reserve(self) -> tuple[int, int]:
