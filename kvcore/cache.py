@@ -107,6 +107,15 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def match_prefix(self, key: KeyLike) -> MatchResult: ...
 
+    def match_request(self, req: Req, key: KeyLike) -> MatchResult:
+        """``match_prefix`` for admitting ``req``: what ``kvcore.Engine`` calls.
+
+        Backends that take per-request state when a request is admitted (Mamba's
+        copy-on-write state slot, recorded in ``req.kv.components``) override this;
+        the default is a plain ``match_prefix(key)``.
+        """
+        return self.match_prefix(key)
+
     @abstractmethod
     def insert(self, key: KeyLike, value: torch.Tensor | None = None) -> InsertResult: ...
 
@@ -156,6 +165,10 @@ class BasePrefixCache(ABC):
 
     def take_events(self) -> list:
         return []
+
+    def stats(self) -> dict[str, int]:
+        """Backend counters worth a row in the bench report (copies made, tokens swapped in, ...)."""
+        return {}
 
     # -- traits -------------------------------------------------------------
 

@@ -392,10 +392,7 @@ class Engine:
         n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
         key = RadixKey(fill[: max(n, 0)], req.extra_key)
         cache = self._cache
-        if self._sessions is not None and req.session_id is not None:
-            result = self._sessions.match_prefix(key, req)
-        else:
-            result = cache.match_prefix(key)
+        result = cache.match_request(req, key)
         lock = cache.inc_lock_ref(result.last_device_node)
         return Match(req, result, lock, req.kv.is_held, int(result.device_indices.numel()))
 

@@ -183,6 +183,13 @@ class StreamingSession(BasePrefixCache):
         result = self.try_match_prefix(key, req) if req is not None else None
         return result if result is not None else self.inner.match_prefix(key)
 
+    def match_request(self, req: Req, key) -> MatchResult:
+        result = self.try_match_prefix(key, req) if req.session_id is not None else None
+        return result if result is not None else self.inner.match_request(req, key)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
     def insert(self, key, value=None, **kwargs):
         return self.inner.insert(key, value, **kwargs)
 

@@ -575,6 +575,7 @@ class _Loop:
         res.output_tokens = self.workload.output_tokens
         res.leaked_slots = self.metrics.final_pools()
         res.leaked_rows = self.r2t.size - self.r2t.available_size()
+        res.backend_stats = dict(self.backend.stats())
         self.running = []
         self.chunked = None
         self._check()

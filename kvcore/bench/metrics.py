@@ -45,6 +45,8 @@ class RunResult:
     # holds (after a window free, plus the tokens it decodes before the next one).
     window_per_request_peak: int | None = None
     window_size: int | None = None
+    # The backend's own counters (cache.stats()): copies made, tokens swapped in, ...
+    backend_stats: dict = field(default_factory=dict)
     timeline: dict = field(default_factory=dict)
 
 

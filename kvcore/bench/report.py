@@ -59,6 +59,7 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
         "step_p50_us": _pct(res.step_us, 0.50),
         "step_p99_us": _pct(res.step_us, 0.99),
         "step_mean_us": statistics.fmean(res.step_us) if res.step_us else 0.0,
+        "backend_stats": dict(res.backend_stats),
         "leaked_slots": res.leaked_slots,
         "leaked_rows": res.leaked_rows,
         "invariant_checks": res.checks,
@@ -114,12 +115,26 @@ _TAIL = [
 ]
 
 
+def _stat_names(reports: list[dict]) -> list[str]:
+    """Every backend counter of every report, in first-seen order."""
+    names: list[str] = []
+    for r in reports:
+        for name in r.get("backend_stats", {}):
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def _rows(reports: list[dict]) -> list:
     pools = []
     for name in _pool_names(reports):
         pools.append((f"peak {name} slots (live)", _pool(name, "peak"), "{:,}", False))
         pools.append((f"peak {name} slots (with cache)", _pool(name, "peak_occupied"), "{:,}", False))
-    return [*_HEAD, *pools, *_TAIL]
+    stats = [
+        (name.replace("_", " "), lambda r, n=name: r.get("backend_stats", {}).get(n), "{:,}", None)
+        for name in _stat_names(reports)
+    ]
+    return [*_HEAD, *pools, *_TAIL[:-2], *stats, *_TAIL[-2:]]
 
 
 def table_rows(reports: list[dict]) -> list[list[str]]:
