@@ -59,13 +59,20 @@ def make_values(trace, req_len: int):
 
 def run_ours(trace, values, page_size: int, policy: str, key_validation: str = "full"):
     from kvcore.config import CacheInitParams
-    from kvcore.keys import RadixKey
     from kvcore_radix import RadixCache, RadixConfig
 
     config = RadixConfig(size=page_size * 1024, page_size=page_size, max_num_reqs=1,
                          max_context_len=page_size * 64, eviction_policy=policy,
                          key_validation=key_validation)
     cache = RadixCache(CacheInitParams.from_config(config))
+    elapsed, matched = _timed(cache, trace, values)
+    return elapsed, matched, cache.total_size()
+
+
+def _timed(cache, trace, values):
+    """Time match + insert per request on ``cache``; returns (seconds, matched lengths)."""
+    from kvcore.keys import RadixKey
+
     match, insert = cache.match_prefix, cache.insert
     matched = [0] * len(trace)
     gc.collect()
@@ -76,14 +83,12 @@ def run_ours(trace, values, page_size: int, policy: str, key_validation: str = "
         m = match(key)
         matched[i] = m.device_indices.shape[0]
         insert(key, values[i])
-    elapsed = time.perf_counter() - t0
-    return elapsed, matched, cache.total_size()
+    return time.perf_counter() - t0, matched
 
 
 def run_ours_swa(trace, values, page_size: int, policy: str, key_validation: str = "full", window: int = 128):
     """kvcore-swa's tree: match + insert per request (the insert frees the duplicates)."""
     from kvcore.config import CacheInitParams
-    from kvcore.keys import RadixKey
     from kvcore_swa import SWAConfig, SWARadixCache
 
     del values, key_validation  # real slots come from the pools; keys are always checked
@@ -94,19 +99,10 @@ def run_ours_swa(trace, values, page_size: int, policy: str, key_validation: str
                        eviction_policy=policy)
     cache = SWARadixCache(CacheInitParams.from_config(config))
     alloc = cache.token_to_kv_pool_allocator.alloc
-    match, insert = cache.match_prefix, cache.insert
-    matched = [0] * len(trace)
     need = -(-req_len // page_size) * page_size
     # Every request's slots up front: the loop times the tree (and the frees it does), not allocation.
     slots = [alloc(need)[: len(ids)] for ids in trace]
-    gc.collect()
-    t0 = time.perf_counter()
-    for i, ids in enumerate(trace):
-        key = RadixKey(ids)
-        m = match(key)
-        matched[i] = m.device_indices.shape[0]
-        insert(key, slots[i])
-    elapsed = time.perf_counter() - t0
+    elapsed, matched = _timed(cache, trace, slots)
     return elapsed, matched, cache.total_size()
 
 
