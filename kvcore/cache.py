@@ -101,6 +101,9 @@ class BasePrefixCache(ABC):
     backend_name: str = ""
     plugin_manager: Any = None
     hook: Any = None
+    # Set by create_cache from the device its pools were built for (DeviceSpec.page_aligned_sessions):
+    # a StreamingSession then reuses only whole pages of a finished turn (SGLang's NPU rule).
+    session_page_aligned: bool = False
 
     # -- lookups and updates ------------------------------------------------
 
@@ -195,6 +198,23 @@ class BasePrefixCache(ABC):
 
         ``InvariantChecker`` calls it after the pool checks; the default checks nothing.
         """
+
+    def sparse_top_k(self) -> int:
+        """Tokens of the context one decode step reads per request; 0 (the default) means dense attention.
+
+        Sparse-attention backends (host-tiered KV with a small device buffer) override
+        it together with ``on_decode_step``.
+        """
+        return 0
+
+    def on_decode_step(self, reqs: Sequence[Req], selections: torch.Tensor) -> Any:
+        """Once per decode step of a sparse backend, after the step's slots are allocated and before its K/V is written.
+
+        ``selections`` is an int64 ``(len(reqs), sparse_top_k())`` tensor of positions
+        in ``[0, seq_len)``, -1 padded.  Returns what the attention kernel reads (the
+        device locations of the selected tokens); the default does nothing.
+        """
+        return None
 
     def session_slots(self) -> list[Any]:
         """Records the cache keeps alive between requests (a streaming session's slots); none by default."""

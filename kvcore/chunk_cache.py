@@ -8,6 +8,7 @@ import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult
 from kvcore.keys import as_radix_key
+from kvcore.tree.checks import check_evict_count
 
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
@@ -58,8 +59,7 @@ class ChunkCache(BasePrefixCache):
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
 
     def evict(self, num_tokens: int) -> EvictResult:
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        check_evict_count(num_tokens)
         return EvictResult()
 
     def inc_lock_ref(self, node: Any) -> LockResult:

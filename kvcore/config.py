@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+if TYPE_CHECKING:
+    from kvcore.devices import DeviceSpec
 
 __all__ = ["CacheConfig", "TreeCacheConfig", "KvBufferConfig", "CacheInitParams"]
+
+
+def _device_spec(device: str) -> DeviceSpec:
+    from kvcore.devices import get_device
+
+    return get_device(device)
 
 
 class KvBufferConfig(BaseModel):
@@ -30,12 +39,39 @@ class CacheConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    size: int = Field(65536, gt=0, description="token slots in the KV pool")
-    page_size: int = Field(1, gt=0, description="tokens per page")
-    max_num_reqs: int = Field(256, gt=0, description="req_to_token rows")
-    max_context_len: int = Field(8192, gt=0, description="row width: the longest request in tokens")
-    device: str = Field("cpu", description="cpu, cuda, cuda:N or npu")
+    # strict: a bool (or "4") is refused rather than read as an int.
+    size: int = Field(65536, gt=0, strict=True, description="token slots in the KV pool")
+    page_size: int = Field(1, gt=0, strict=True, description="tokens per page")
+    max_num_reqs: int = Field(256, gt=0, strict=True, description="req_to_token rows")
+    max_context_len: int = Field(8192, gt=0, strict=True, description="row width: the longest request in tokens")
+    device: str = Field(
+        "cpu", description="a registered device kind, with an index where it takes one (cpu, cuda, cuda:N, "
+        "a plugin's; `kvcore backends` lists them); its defaults (e.g. page_size) apply to options not given"
+    )
     kv_buffer: KvBufferConfig | None = Field(None, description="also allocate K/V data buffers of this shape")
+    strict: bool = Field(
+        True,
+        description="validate slots before the cache keeps them (range, allocated, not owned by another node, "
+        "no duplicates); False skips these checks for speed",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _device_defaults(cls, data: Any) -> Any:
+        """Options the caller left out take the device's defaults (an unknown device is create_cache's error)."""
+        if not isinstance(data, dict):
+            return data
+        from kvcore.errors import DeviceUnavailable
+
+        device = data.get("device", cls.model_fields["device"].default)
+        if not isinstance(device, str):
+            return data
+        try:
+            spec = _device_spec(device)
+        except DeviceUnavailable:
+            return data
+        missing = {k: v for k, v in spec.defaults.items() if k not in data and k in cls.model_fields}
+        return {**data, **missing} if missing else data
 
     @model_validator(mode="after")
     def _check_page_alignment(self):
@@ -50,16 +86,30 @@ class CacheConfig(BaseModel):
             )
         return self
 
+    # The torch device ``device`` resolved to (create_cache sets it; a plugin's kind may map onto another).
+    _torch_device: str | None = PrivateAttr(None)
+
+    def torch_device(self) -> str:
+        """Where the pools live: the torch device ``device`` resolved to, or ``device`` before create_cache."""
+        return self._torch_device or self.device
+
     # Pools follow the config, so a backend whose pools differ (SWA) overrides these.
+    def pool_device(self) -> DeviceSpec:
+        """The registered device whose allocator and K/V-pool classes (and session rule) build this
+        config's pools: the one ``device`` names.  A backend bound to one family of pools whatever the
+        torch device (kvcore-npu's ``npu`` runs the NPU pools on the CPU too) overrides this."""
+        return _device_spec(self.device)
+
     def build_req_to_token_pool(self):
         from kvcore.pools import ReqToTokenPool
 
-        return ReqToTokenPool(self.max_num_reqs, self.max_context_len, device=self.device)
+        return ReqToTokenPool(self.max_num_reqs, self.max_context_len, device=self.torch_device())
 
     def build_allocator(self):
         from kvcore.pools import TokenToKVPoolAllocator
 
-        return TokenToKVPoolAllocator(self.size, page_size=self.page_size, device=self.device)
+        cls = self.pool_device().allocator or TokenToKVPoolAllocator
+        return cls(self.size, page_size=self.page_size, device=self.torch_device())
 
     def build_kv_buffer(self):
         if self.kv_buffer is None:
@@ -69,14 +119,15 @@ class CacheConfig(BaseModel):
         from kvcore.pools import MHATokenToKVPool
 
         kb = self.kv_buffer
-        return MHATokenToKVPool(
+        cls = self.pool_device().kv_pool or MHATokenToKVPool
+        return cls(
             self.size,
             page_size=self.page_size,
             dtype=getattr(torch, kb.dtype),
             head_num=kb.num_heads,
             head_dim=kb.head_dim,
             layer_num=kb.num_layers,
-            device=self.device,
+            device=self.torch_device(),
         )
 
 

@@ -1,52 +1,137 @@
-"""Device checks that name what is missing, without importing torch_npu eagerly."""
+"""Device kinds: what a cache's pools run on, registered through ``kvcore_register_devices``.
+
+A device kind (``cpu``, ``cuda``, a plugin's ``npu``) is a :class:`DeviceSpec`:
+
+* ``why_unavailable()``: ``None`` when the kind is usable here, else why not, in a few
+  words ("torch_npu is not installed").  It runs when ``kvcore backends`` lists the
+  devices, so it imports nothing heavy (``importlib.util.find_spec``, not ``import``).
+* ``resolve(text)``: the ``torch.device`` for ``"cuda:1"`` and the like; heavy imports
+  (``torch_npu``) happen here, only when a cache is really built on the device.
+* ``allocator`` / ``kv_pool``: the classes :class:`kvcore.CacheConfig` builds the token
+  allocator and the K/V buffer with (default: :class:`kvcore.pools.TokenToKVPoolAllocator`,
+  :class:`kvcore.pools.MHATokenToKVPool`); the K/V pool's ``set_kv_buffer`` is how K/V is
+  written on this device.  Backends whose config builds its own allocator (SWA's two
+  pools) keep theirs and only take the torch device.
+* ``defaults``: :class:`kvcore.CacheConfig` options the device sets when the caller does
+  not (``{"page_size": 128}``).
+* ``page_aligned_sessions``: a streaming session reuses only whole pages of a finished
+  turn (SGLang's rule for Ascend); see :class:`kvcore.StreamingSession`.
+* ``synchronize(device)``: wait for queued work (the bench times steps with it).
+
+:func:`check_device` turns an option string into a ``torch.device`` or raises
+:class:`kvcore.DeviceUnavailable` in one line that says what is missing.
+"""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from kvcore.errors import DeviceUnavailable
 
-__all__ = ["check_device", "synchronize"]
+__all__ = [
+    "DeviceSpec",
+    "available_devices",
+    "check_device",
+    "device_kind",
+    "get_device",
+    "synchronize",
+]
+
+
+def _torch_device(text: str) -> torch.device:
+    return torch.device(text)
+
+
+def _no_sync(device: torch.device) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """A registered device kind (see the module docstring for each field)."""
+
+    name: str
+    why_unavailable: Callable[[], str | None]
+    resolve: Callable[[str], torch.device] = _torch_device
+    allocator: Callable[..., Any] | None = None
+    kv_pool: Callable[..., Any] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    synchronize: Callable[[torch.device], None] = _no_sync
+    page_aligned_sessions: bool = False
+    description: str = ""
+    distribution: str = "?"
+    version: str = "?"
+    plugin: str = "?"
+
+    def availability(self) -> str | None:
+        """``why_unavailable()``, with a probe that raises reported as its error (never raised)."""
+        try:
+            return self.why_unavailable()
+        except Exception as exc:  # a broken probe must not break `kvcore backends`
+            return f"availability check failed: {type(exc).__name__}: {exc}"
+
+    def to_json(self) -> dict:
+        why = self.availability()
+        return {
+            "name": self.name,
+            "available": why is None,
+            "why_not": why,
+            "distribution": self.distribution,
+            "version": self.version,
+            "plugin": self.plugin,
+            "description": self.description,
+            "allocator": _qualname(self.allocator) if self.allocator is not None else None,
+            "kv_pool": _qualname(self.kv_pool) if self.kv_pool is not None else None,
+            "defaults": dict(self.defaults),
+            "page_aligned_sessions": self.page_aligned_sessions,
+        }
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def device_kind(device: str | torch.device) -> str:
+    """The registered kind a device option names: ``"cuda:1"`` -> ``"cuda"``."""
+    if isinstance(device, torch.device):
+        return device.type
+    return str(device).split(":", 1)[0].strip()
+
+
+def available_devices() -> dict[str, DeviceSpec]:
+    """Every registered device kind by name (usable here or not: see ``availability()``)."""
+    from kvcore.plugins import registry
+
+    return registry.devices()
+
+
+def get_device(device: str | torch.device) -> DeviceSpec:
+    """The spec of ``device``'s kind; DeviceUnavailable names the registered kinds when it is unknown."""
+    from kvcore.plugins import registry
+
+    return registry.device(device_kind(device), shown=str(device))
 
 
 def check_device(device: str | torch.device) -> torch.device:
     """Return ``device`` as a torch.device, or raise DeviceUnavailable saying what is missing."""
+    spec = get_device(device)
+    why = spec.availability()
     text = str(device)
-    # torch only knows "npu" once torch_npu is imported, so check for it by name first.
-    if text == "npu" or text.startswith("npu:"):
-        if importlib.util.find_spec("torch_npu") is None:
-            raise DeviceUnavailable(
-                f"device {text!r} requested but torch_npu is not installed; "
-                "install torch-npu and the Ascend CANN toolkit"
-            )
-        importlib.import_module("torch_npu")
-        if not torch.npu.is_available():  # type: ignore[attr-defined]
-            raise DeviceUnavailable(f"device {text!r} requested but torch_npu finds no Ascend NPU")
-        return torch.device(text)
+    if why is not None:
+        raise DeviceUnavailable(f"device {text!r} is not available: {why}")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceUnavailable(f"unknown device {text!r}: use cpu, cuda, cuda:N or npu") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceUnavailable(
-                f"device {device!r} requested but CUDA is not available here (torch {torch.__version__})"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise DeviceUnavailable(
-                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
-            )
-        return dev
-    raise DeviceUnavailable(f"device type {dev.type!r} is not supported; use cpu, cuda or npu")
+        return spec.resolve(text)
+    except DeviceUnavailable:
+        raise
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DeviceUnavailable(f"device {text!r}: {exc}") from None
 
 
 def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+    """Wait for the work queued on ``device`` (a no-op on the CPU)."""
+    get_device(device).synchronize(device)

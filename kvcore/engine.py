@@ -534,6 +534,7 @@ class Engine:
         sid = req.session_id
         if s is not None and sid is not None and sid in s.slots and req.kv is s.slots[sid].kv:
             # The turn ran on the session's record and rewrote its tail: the session goes too.
+            req.detach_kv()  # the turn stops running on the record, which the session then releases
             self.end_session(sid)
         elif req.kv.is_held:
             if req.kv.kv_allocated_len == 0 and req.kv.swa_evicted_seqlen == 0:

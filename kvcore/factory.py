@@ -67,7 +67,11 @@ def create_cache(name: str, **options: Any):
 
     Options are validated by the backend's config model (``extra="forbid"``); an
     unknown backend raises BackendNotFound listing the known ones, a bad option
-    raises ConfigError naming the backend and the field.
+    raises ConfigError naming the backend and the field, and a device that is
+    unknown or not usable here raises DeviceUnavailable saying what is missing
+    (``torch_npu is not installed``), before any pool is built.  The pools come
+    from the device's allocator and K/V-pool classes (``config.pool_device()``),
+    whose session rule the built cache carries (``session_page_aligned``).
     """
     spec = get_backend(name)
     try:
@@ -76,13 +80,16 @@ def create_cache(name: str, **options: Any):
         raise ConfigError(_format_validation_error(name, exc)) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"backend {name!r}: {exc}") from None
-    check_device(config.device)
+    # The pools live on the torch device the kind resolves to (a plugin's kind may map onto another).
+    config._torch_device = str(check_device(config.device))
+    pools = config.pool_device()
     params = CacheInitParams.from_config(config)
     try:
         cache = spec.factory(params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"backend {name!r}: {exc}") from exc
     cache.backend_name = name
+    cache.session_page_aligned = pools.page_aligned_sessions
     attach_lifecycle(cache)
     get_plugin_manager().hook.kvcore_cache_created(cache=cache)
     return cache

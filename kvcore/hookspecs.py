@@ -55,6 +55,22 @@ def kvcore_register_eviction_policies(register: Callable[[str, Callable[[], Any]
 
 
 @hookspec
+def kvcore_register_devices(register: Callable[..., None]) -> None:
+    """Register device kinds: ``register(name, *, why_unavailable, resolve=None, allocator=None,
+    kv_pool=None, defaults=None, synchronize=None, page_aligned_sessions=False, description="")``.
+
+    ``why_unavailable()`` returns None when the kind is usable here, else why not
+    ("torch_npu is not installed"); it runs when devices are listed, so it must not
+    import heavy modules.  ``resolve(text)`` returns the ``torch.device`` and does the
+    heavy imports.  ``allocator`` and ``kv_pool`` are the classes pools are built
+    with on this device, ``defaults`` the :class:`kvcore.CacheConfig` options it sets
+    when the caller does not (see :mod:`kvcore.devices`).  The core registers ``cpu``
+    and ``cuda`` through this hook; a name registered by two distributions is
+    refused, naming both.  Every implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
 def kvcore_cache_created(cache: BasePrefixCache) -> None:
     """Called once for each cache ``create_cache`` builds, after it is built.
 

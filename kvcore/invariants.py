@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvcore.errors import InvariantViolation
+from kvcore.pools.allocator import TokenToKVPoolAllocator
 from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align
 
@@ -168,11 +169,27 @@ class InvariantChecker:
                 else:
                     session_held += count
                 owners.append((_owner_name(owner), slots.cpu()))
-        for so in self.cache.iter_owned_slots():
-            if so.pool == pool.name:
-                owners.append((so.owner, so.slots.to(torch.int64).cpu()))
+        try:
+            for so in self.cache.iter_owned_slots():
+                if so.pool == pool.name:
+                    owners.append((so.owner, so.slots.to(torch.int64).cpu()))
+        except (IndexError, ValueError) as exc:  # a node's slot id the pools cannot even map
+            raise InvariantViolation(f"[{pool.name}] a cached slot lies outside the pool: {exc}") from exc
 
         report = PoolReport(pool.name, total, int(alloc.available_size()), cached[0], cached[1], session_held, uncached)
+
+        # Ids outside the pool are reported by name before counting (bincount cannot take them).
+        limit = (num_pages + 1) * page
+        for name, s in [("the free list", free), *owners]:
+            if s.numel():
+                outside = s[(s < 0) | (s >= limit)]
+                if outside.numel():
+                    where = "is in the free list" if name == "the free list" else f"is owned by {name}"
+                    raise InvariantViolation(
+                        f"[{pool.name}] slot {int(outside[0])} {where} but lies outside the pool "
+                        f"(slots {page}..{limit - 1})"
+                    )
+        claimed = pool.allocator.claimed_slots() if isinstance(pool.allocator, TokenToKVPoolAllocator) else None
 
         # Slot-level proof, in pages: each usable page is free exactly once or owned by exactly one owner.
         free_pages = torch.div(free, page, rounding_mode="floor")
@@ -224,4 +241,16 @@ class InvariantChecker:
             )
         if not report.balanced:
             raise InvariantViolation(f"[{pool.name}] pool does not balance: {report}")
+        if claimed is not None and claimed.numel():
+            # A slot a tree claimed (strict mode) must still be one its nodes hold.
+            tree = [so.slots.to(torch.int64).cpu() for so in self.cache.iter_owned_slots() if so.pool == pool.name]
+            held = torch.zeros(limit, dtype=torch.bool)
+            if tree:
+                held[torch.cat(tree)] = True
+            stale = claimed.cpu()[~held[claimed.cpu()]]
+            if stale.numel():
+                raise InvariantViolation(
+                    f"[{pool.name}] slot {int(stale[0])} is claimed by the cache in the allocator but no node "
+                    f"holds it ({stale.numel()} such slot(s))"
+                )
         return report

@@ -1,4 +1,4 @@
-"""Plugin discovery: entry-point group ``kvcore``, the backend and policy registries.
+"""Plugin discovery: entry-point group ``kvcore``, the backend, device and policy registries.
 
 Loading is lazy (on the first lookup) and isolated: a plugin that fails to import,
 fails validation or raises while registering is recorded with its error and the
@@ -8,17 +8,20 @@ others still load.  ``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1`` loads only the built-in
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
+from types import MappingProxyType
 from typing import Any
 
 import pluggy
 
 from kvcore import hookspecs
 from kvcore.config import CacheConfig
+from kvcore.devices import DeviceSpec
 from kvcore.errors import PluginError
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "PluginRegistry",
     "registry",
     "available_backends",
+    "available_device_specs",
     "available_eviction_policies",
     "get_backend",
     "get_eviction_policy",
@@ -40,7 +44,18 @@ __all__ = [
 DISABLE_AUTOLOAD_ENV = "KVCORE_DISABLE_PLUGIN_AUTOLOAD"
 BLOCK_ENV = "KVCORE_BLOCK_PLUGINS"
 ENTRY_POINT_GROUP = "kvcore"
-_BUILTIN_MODULES = ("kvcore.builtin_backends",)
+_BUILTIN_MODULES = ("kvcore.builtin_backends", "kvcore.builtin_devices")
+_HOOK_NAMES = (
+    "kvcore_register_backends",
+    "kvcore_register_devices",
+    "kvcore_register_eviction_policies",
+    "kvcore_cache_created",
+)
+
+
+def _first_party(distribution: str) -> bool:
+    """The kvcore project's own distributions (kvcore, kvcore-radix, ...): their backend names are reserved."""
+    return distribution == "kvcore" or distribution.startswith("kvcore-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +114,8 @@ class _State:
     pm: pluggy.PluginManager
     origins: dict[str, _Origin] = field(default_factory=dict)
     backends: dict[str, BackendSpec] = field(default_factory=dict)
+    devices: dict[str, DeviceSpec] = field(default_factory=dict)
+    device_conflicts: dict[str, str] = field(default_factory=dict)
     policies: dict[str, tuple[Callable[[], Any], _Origin]] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
     conflicts: dict[str, str] = field(default_factory=dict)
@@ -147,6 +164,17 @@ def _load() -> _State:
         except Exception as exc:  # a broken plugin must not stop the others
             state.failures.append(PluginFailure(ep.name, dist, f"import failed: {_describe(exc)}"))
             continue
+        unmarked = [
+            n for n in _HOOK_NAMES
+            if callable(getattr(module, n, None)) and pm.parse_hookimpl_opts(module, n) is None
+        ]
+        if unmarked:
+            state.failures.append(PluginFailure(
+                ep.name, dist,
+                f"invalid plugin: {', '.join(unmarked)} lacks the @kvcore.hookimpl decorator, so kvcore would never "
+                "call it: decorate it with @kvcore.hookimpl",
+            ))
+            continue
         try:
             pm.register(module, name=ep.name)
             # A misspelt hookimpl fails here, loudly, for this plugin only.
@@ -184,6 +212,12 @@ def _collect(state: _State) -> None:
                 raise PluginError(f"backend name must be a non-empty string, got {name!r}")
             if not callable(factory):
                 raise PluginError(f"backend {name!r}: factory {factory!r} is not callable")
+            if isinstance(factory, type) and inspect.isabstract(factory):
+                missing = ", ".join(sorted(getattr(factory, "__abstractmethods__", ())))
+                raise PluginError(
+                    f"backend {name!r}: class {factory.__qualname__} is abstract (it does not implement {missing}); "
+                    "implement those methods of kvcore.BasePrefixCache"
+                )
             if not (isinstance(config, type) and issubclass(config, CacheConfig)):
                 raise PluginError(f"backend {name!r}: config must subclass kvcore.CacheConfig, got {config!r}")
             if reference is not None and (not isinstance(reference, str) or not reference):
@@ -208,6 +242,17 @@ def _collect(state: _State) -> None:
             claims.setdefault(spec.name, []).append(spec)
 
     for name, specs in claims.items():
+        own = [s for s in specs if _first_party(s.distribution)]
+        if own and len(own) < len(specs):
+            # A third party may not take a name the kvcore project's own distributions register.
+            for s in specs:
+                if s not in own:
+                    state.failures.append(PluginFailure(
+                        s.plugin, s.distribution,
+                        f"backend {name!r} is already provided by {own[0].distribution}; register yours under "
+                        f"another name (for example {s.distribution.split('-')[0] + '-' + name!r})",
+                    ))
+            specs = own
         if len(specs) == 1:
             state.backends[name] = specs[0]
             continue
@@ -216,6 +261,8 @@ def _collect(state: _State) -> None:
         state.conflicts[name] = message
         for s in specs:
             state.failures.append(PluginFailure(s.plugin, s.distribution, message))
+
+    _collect_devices(state)
 
     for impl in pm.hook.kvcore_register_eviction_policies.get_hookimpls():
         origin = state.origins.get(impl.plugin_name, _Origin(impl.plugin_name, "?", "?"))
@@ -236,8 +283,89 @@ def _collect(state: _State) -> None:
             )
 
 
+def _collect_devices(state: _State) -> None:
+    """``kvcore_register_devices``, one plugin at a time; failures and conflicts reported like backends'."""
+    claims: dict[str, list[DeviceSpec]] = {}
+    options = set(CacheConfig.model_fields)
+    for impl in state.pm.hook.kvcore_register_devices.get_hookimpls():
+        origin = state.origins.get(impl.plugin_name, _Origin(impl.plugin_name, "?", "?"))
+        mine: list[DeviceSpec] = []
+
+        def register(
+            name: str,
+            *,
+            why_unavailable: Callable[[], str | None],
+            resolve: Callable[[str], Any] | None = None,
+            allocator: Callable[..., Any] | None = None,
+            kv_pool: Callable[..., Any] | None = None,
+            defaults: dict[str, Any] | None = None,
+            synchronize: Callable[[Any], None] | None = None,
+            page_aligned_sessions: bool = False,
+            description: str = "",
+            _origin: _Origin = origin,
+            _mine: list[DeviceSpec] = mine,
+        ) -> None:
+            if not isinstance(name, str) or not name or ":" in name or name != name.strip():
+                raise PluginError(f"device name must be a non-empty string without ':', got {name!r}")
+            for what, fn in (("why_unavailable", why_unavailable), ("resolve", resolve), ("allocator", allocator),
+                             ("kv_pool", kv_pool), ("synchronize", synchronize)):
+                if fn is not None and not callable(fn):
+                    raise PluginError(f"device {name!r}: {what} {fn!r} is not callable")
+            if why_unavailable is None:
+                raise PluginError(f"device {name!r}: why_unavailable is required")
+            unknown = sorted(set(defaults or {}) - options - {"device"})
+            if "device" in (defaults or {}) or unknown:
+                raise PluginError(
+                    f"device {name!r}: defaults {unknown or ['device']} are not kvcore.CacheConfig options "
+                    f"(choose from {', '.join(sorted(options - {'device'}))})"
+                )
+            if any(s.name == name for s in _mine):
+                raise PluginError(f"device {name!r} registered twice by {_origin.distribution}")
+            extra: dict[str, Any] = {}
+            if resolve is not None:
+                extra["resolve"] = resolve
+            if synchronize is not None:
+                extra["synchronize"] = synchronize
+            _mine.append(DeviceSpec(
+                name, why_unavailable, allocator=allocator, kv_pool=kv_pool,
+                defaults=MappingProxyType(dict(defaults or {})), page_aligned_sessions=bool(page_aligned_sessions),
+                description=description, distribution=_origin.distribution, version=_origin.version,
+                plugin=_origin.plugin, **extra,
+            ))
+
+        try:
+            impl.function(register=register)
+        except Exception as exc:
+            state.failures.append(
+                PluginFailure(origin.plugin, origin.distribution, f"device registration failed: {_describe(exc)}")
+            )
+            continue
+        for spec in mine:
+            claims.setdefault(spec.name, []).append(spec)
+
+    for name, specs in claims.items():
+        own = [s for s in specs if _first_party(s.distribution)]
+        if own and len(own) < len(specs):
+            for s in specs:
+                if s not in own:
+                    state.failures.append(PluginFailure(
+                        s.plugin, s.distribution,
+                        f"device {name!r} is already provided by {own[0].distribution}; register yours under "
+                        "another name",
+                    ))
+            specs = own
+        if len(specs) == 1:
+            state.devices[name] = specs[0]
+            continue
+        dists = " and ".join(f"{s.distribution} (plugin {s.plugin})" for s in specs)
+        message = f"device {name!r} is registered by both {dists}; uninstall one or block it with {BLOCK_ENV}"
+        state.device_conflicts[name] = message
+        for s in specs:
+            state.failures.append(PluginFailure(s.plugin, s.distribution, message))
+
+
 class PluginRegistry:
-    """Backends and eviction policies found through the ``kvcore`` entry points, loaded on first use.
+    """Backends, device kinds and eviction policies found through the ``kvcore`` entry points, loaded on first use.
 
     ``kvcore.available_backends()`` and friends read the default registry; a test
     (or a host that wants its own view) builds another and calls ``reset()`` to
@@ -285,6 +413,28 @@ class PluginRegistry:
     def policies(self) -> dict[str, Callable[[], Any]]:
         return {name: factory for name, (factory, _) in sorted(self._get().policies.items())}
 
+    def devices(self) -> dict[str, DeviceSpec]:
+        """Every registered device kind by name, usable here or not (``DeviceSpec.availability()``)."""
+        return dict(sorted(self._get().devices.items()))
+
+    def device(self, kind: str, shown: str | None = None) -> DeviceSpec:
+        """The spec of device kind ``kind``; DeviceUnavailable names the registered kinds when it is unknown.
+
+        ``shown`` is the option as the caller wrote it (``"cuda:3"``), for the message.
+        """
+        from kvcore.errors import DeviceUnavailable
+
+        state = self._get()
+        if kind in state.device_conflicts:
+            raise DeviceUnavailable(state.device_conflicts[kind])
+        try:
+            return state.devices[kind]
+        except KeyError:
+            known = ", ".join(sorted(state.devices)) or "none"
+            raise DeviceUnavailable(
+                f"unknown device {shown or kind!r}; registered devices: {known} (`kvcore backends` lists them)"
+            ) from None
+
 
 #: The registry the module-level functions read.
 registry = PluginRegistry()
@@ -302,6 +452,11 @@ def get_plugin_manager() -> pluggy.PluginManager:
 def available_backends() -> dict[str, BackendSpec]:
     """Every usable backend by name: factory, config model, description, distribution, version."""
     return registry.backends()
+
+
+def available_device_specs() -> dict[str, DeviceSpec]:
+    """Every registered device kind by name, usable here or not (see ``kvcore.devices``)."""
+    return registry.devices()
 
 
 def plugin_failures() -> list[PluginFailure]:

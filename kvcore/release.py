@@ -37,10 +37,15 @@ def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True) -
     cache's ``cache_finished_req`` (through its lifecycle hook), frees the row and
     marks the record released.  A request that holds nothing is left as it is.
     """
+    kv = req.kv
+    if kv.is_held and not cache.req_to_token_pool.holds(kv):
+        raise ValueError(
+            f"request {req.rid!r}: its req_to_token row {kv.req_pool_idx} was not handed to it by this cache's "
+            "pool: release it on the cache that admitted it"
+        )
     _check_released_iff_not_held(req, "before release")
     if not req.kv.is_held:
         return
-    kv = req.kv
     if kv.kv_committed_len > kv.kv_allocated_len:
         raise ValueError(
             f"request {req.rid!r}: kv_committed_len={kv.kv_committed_len} > kv_allocated_len={kv.kv_allocated_len}"

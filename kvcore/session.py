@@ -4,7 +4,15 @@
 that finishes does not give its KV to the tree: the session's slot adopts the
 record (row, lengths, backend state) and, on the first turn, the tree lock.
 The next turn's ``match_prefix(key, req)`` hands the same record back, so the
-slot and the request share one ``ReqKvInfo``; turns are append-only.
+slot and the request share one ``ReqKvInfo``.
+
+A later turn reuses the session's KV only as far as its tokens (and ``extra_key``)
+agree with the tokens that KV was computed for; the rest of the tail is freed and
+recomputed.  A turn that differs inside the part the tree holds (the first turn's
+matched or cached prompt) is refused with ValueError, nothing changed: end the
+session and admit the request afresh (the tree still serves the common prefix).
+``release_session`` while a turn runs on the session's record is refused with
+RuntimeError: finish or abort that request first (``Engine.abort`` does both).
 """
 
 from __future__ import annotations
@@ -49,6 +57,11 @@ class SessionSlot:
     last_node: Any = None
     lock: LockResult | None = None
     node: SessionNode = None  # type: ignore[assignment]
+    # The tokens whose KV the record holds (``fill_ids[:kv_committed_len]`` of the last turn) and their namespace.
+    token_ids: list[int] = field(default_factory=list)
+    extra_key: str | None = None
+    # The request running on the record now (restored, not yet finished), if any.
+    turn: Any = None
 
     def __post_init__(self) -> None:
         if self.node is None:
@@ -64,6 +77,8 @@ class SessionSlot:
             # Later turns ran on the slot's own record; the tree prefix cannot have moved.
             assert req.kv is self.kv, f"{req.rid!r} does not run on session {self.session_id!r}'s record"
             assert req.kv.cache_protected_len == self.kv.cache_protected_len
+        self.token_ids = req.fill_ids[: req.kv.kv_committed_len]
+        self.extra_key = req.extra_key
         kv = req.detach_kv()
         if is_first:
             self.kv = kv
@@ -71,12 +86,35 @@ class SessionSlot:
             self.lock = req.lock
         req.last_node = None
         req.lock = None
+        self.turn = None
 
     def restore_to_req(self, req: Req) -> None:
         """Share the slot's record with ``req``; the slot keeps it, so restoring twice is harmless."""
         req.kv = self.kv
         req.last_node = self.node
         req.lock = None
+        self.turn = req
+
+    def running_turn(self) -> Any:
+        """The request running on this slot's record now (restored and not finished, aborted or cancelled)."""
+        turn = self.turn
+        if turn is not None and turn.kv is not self.kv:
+            self.turn = turn = None
+        return turn
+
+
+def common_prefix_len(a: list, b: list, n: int) -> int:
+    """Length of the common prefix of ``a[:n]`` and ``b[:n]`` (one slice comparison when they agree)."""
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class StreamingSession(BasePrefixCache):
@@ -108,21 +146,41 @@ class StreamingSession(BasePrefixCache):
     def try_match_prefix(self, key, req: Req) -> MatchResult | None:
         """Reuse the session's KV for ``req``, or None when the session holds none.
 
-        Reuse reaches up to the committed length (and never past the key); the
-        tail beyond it is freed so the new turn can overwrite those positions.
+        Reuse reaches as far as the new turn's tokens agree with the tokens the
+        session's KV was computed for (never past the committed length or the
+        key, nothing across a different ``extra_key``); the tail beyond it is
+        freed so the new turn recomputes those positions.  A turn that differs
+        inside the part the tree holds (the first turn's matched prefix) is
+        refused with ValueError, nothing changed: end the session and admit the
+        request afresh.  On pools that reuse only whole pages
+        (``inner.session_page_aligned``, SGLang's NPU rule) the reused prefix is
+        rounded down to a page; when that falls below the protected prefix or to
+        0, the session is released and None returned (the tree matches the turn).
         """
         slot = self._active_slot(req)
         if slot is None:
             return None
         key = as_radix_key(key)
         kv = slot.kv
-        prefix_len = min(kv.kv_committed_len, len(key))
+        limit = min(kv.kv_committed_len, len(key), len(slot.token_ids))
+        if key.extra_key != slot.extra_key:
+            prefix_len = 0
+        else:
+            prefix_len = common_prefix_len(slot.token_ids, key.token_ids, limit)
+        page = self.page_size
+        if self.inner.session_page_aligned and page > 1:
+            # Pools that reuse only whole pages (SGLang's NPU rule): below the protected prefix or at 0
+            # pages, release the session and let the tree match the turn afresh (a full prefill).
+            prefix_len = floor_align(prefix_len, page)
+            if prefix_len < kv.cache_protected_len or prefix_len == 0:
+                self.release_session(slot.session_id)
+                return None
         if prefix_len < kv.cache_protected_len:
             raise ValueError(
-                f"session {slot.session_id!r}: the new turn shares only {prefix_len} tokens but the tree "
-                f"protects {kv.cache_protected_len}; streaming sessions are append-only"
+                f"session {slot.session_id!r}: the new turn shares only {prefix_len} tokens with the previous one "
+                f"but the tree protects {kv.cache_protected_len} (streaming sessions are append-only there); "
+                f"end the session and admit {req.rid!r} afresh"
             )
-        page = self.page_size
         # A rewind below the window cursor must land on a page boundary, or a page is freed twice.
         if page > 1 and kv.swa_evicted_seqlen > prefix_len:
             prefix_len = floor_align(prefix_len, page)
@@ -149,9 +207,16 @@ class StreamingSession(BasePrefixCache):
 
         Returns the number of token slots freed; an unknown session frees nothing.
         """
-        slot = self.slots.pop(session_id, None)
+        slot = self.slots.get(session_id)
         if slot is None:
             return 0
+        running = slot.running_turn()
+        if running is not None:
+            raise RuntimeError(
+                f"release_session({session_id!r}): request {running.rid!r} is running on the session's KV; "
+                "finish or abort that request first (nothing was released)"
+            )
+        del self.slots[session_id]
         if slot.last_node is not None:
             self.inner.dec_lock_ref(slot.last_node, slot.lock)
         freed = 0
@@ -189,6 +254,12 @@ class StreamingSession(BasePrefixCache):
 
     def stats(self) -> dict[str, int]:
         return self.inner.stats()
+
+    def sparse_top_k(self) -> int:
+        return self.inner.sparse_top_k()
+
+    def on_decode_step(self, reqs: Sequence[Req], selections: torch.Tensor) -> Any:
+        return self.inner.on_decode_step(reqs, selections)
 
     def insert(self, key, value=None, **kwargs):
         return self.inner.insert(key, value, **kwargs)

@@ -32,7 +32,7 @@ runner = CliRunner()
 
 
 def _n(workload: str) -> int:
-    return {"long-decode": 6, "multi-turn": 30}.get(workload, 20)
+    return {"long-decode": 6, "multi-turn": 30, "sparse-decode": 2}.get(workload, 20)
 
 
 @pytest.mark.parametrize("backend", INSTALLED)
@@ -40,8 +40,9 @@ def _n(workload: str) -> int:
 def test_every_workload_runs_without_leaks(backend, workload):
     page = 4 if workload in ("zipf", "trace") else 1  # paged allocation too
     num = _n(workload)
+    opts = SMALL | ({"size": 65536} if workload == "sparse-decode" else {})  # its contexts are 8K-32K tokens
     (rep,) = run_bench([backend], workload=workload, num_requests=num, seed=1, check_every=13, page_size=page,
-                       **SMALL)
+                       **opts)
     assert rep["leaked_slots"] == 0
     assert rep["leaked_rows"] == 0
     assert rep["invariant_violations"] == 0, rep["violations"]
@@ -300,3 +301,40 @@ def test_bad_trace_line_names_the_line(tmp_path):
     p.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_trace(str(p))
+
+
+# ------------------------------------------------------------------ sparse decode (a backend with sparse_top_k() > 0)
+def test_topk_selector_locality_and_padding():
+    from kvcore.bench.workloads import TopKSelector
+
+    sel = TopKSelector(8, 1.0, seed=0)([5, 100])
+    assert sel[0].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]  # a short context: all of it, padded
+    assert sel[1].tolist() == list(range(92, 100))  # locality 1: only the most recent tokens
+    uniform = TopKSelector(64, 0.0, seed=1)([10_000])[0]
+    valid = uniform[uniform >= 0]
+    assert valid.numel() == valid.unique().numel() > 48 and int(valid.max()) < 10_000
+    assert float(valid.float().mean()) < 8_000  # spread over the context, not bunched at its end
+    with pytest.raises(ValueError, match="topk-locality"):
+        TopKSelector(8, 1.5)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_sparse_decode_on_hisparse_moves_bytes_within_the_buffer_bound(page_size):
+    pytest.importorskip("kvcore_hisparse")
+    (rep,) = run_bench(["hisparse"], workload="sparse-decode", num_requests=4, seed=2, check_every=7,
+                       page_size=page_size, topk_locality=0.5)
+    assert rep["leaked_slots"] == 0 and rep["leaked_rows"] == 0
+    assert rep["invariant_violations"] == 0, rep["violations"]
+    assert [p["name"] for p in rep["pools"]] == ["full", "device", "host"]
+    s = rep["backend_stats"]
+    assert s["swap_in_tokens"] == s["buffer_misses"] > 0 and s["buffer_hits"] > 0
+    assert s["bytes_h2d"] > 0 and s["bytes_d2h"] > 0 and s["device_bytes_saved"] > 0
+    # Decoding requests hold at most device_buffer_size + one page each on the device.
+    assert s["padded_buffer_size"] == 4096 + page_size
+    assert s["device_bound_violations"] == 0
+    assert s["decode_device_slots_peak"] <= s["decode_batch_peak"] * s["padded_buffer_size"]
+
+
+def test_cli_topk_locality_is_checked(capsys):
+    res = runner.invoke(app, ["bench", "--backend", "chunk", "--topk-locality", "2"])
+    assert res.exit_code != 0

@@ -69,12 +69,16 @@ def test_match_frees_the_tail_beyond_committed(session):
     slot.restore_to_req(extend_slot)
     extend(session, extend_slot, 16)
     slot.kv.kv_committed_len = 13  # three speculative slots never committed
-    t2 = Req("t2", list(range(20)), session_id="s")
+    # The new turn continues the first turn's 13 tokens (range(10) + [100, 101, 102]).
+    t2 = Req("t2", list(range(10)) + [100, 101, 102] + list(range(7)), session_id="s")
     free_before = session.token_to_kv_pool_allocator.available_size()
     assert session.match_prefix(t2.fill_ids, t2).prefix_len == 13
     assert session.token_to_kv_pool_allocator.available_size() - free_before == 3
     assert slot.kv.kv_allocated_len == 13
     InvariantChecker(session).check([t2])
+    with pytest.raises(RuntimeError, match="running on the session"):
+        session.release_session("s")  # t2 runs on the session's KV
+    t2.detach_kv()  # t2 stops running on it (what Engine.abort does)
     session.release_session("s")
     InvariantChecker(session).check([t2])
 

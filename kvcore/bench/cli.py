@@ -17,7 +17,6 @@ _WORKLOAD_HELP = (
     + "".join(f"{n} when every backend takes {w.favours}; " for n, w in WORKLOADS.items() if w.favours)
     + f"else {next(iter(WORKLOADS))})."
 )
-_DEVICES = ("cpu", "cuda", "npu")
 
 
 def _backend_list(backend: list[str] | None, compare: str | None) -> list[str]:
@@ -25,7 +24,9 @@ def _backend_list(backend: list[str] | None, compare: str | None) -> list[str]:
     for item in list(backend or []) + ([compare] if compare else []):
         for name in item.split(","):
             name = name.strip()
-            if name and name not in names:
+            if name in names:
+                raise ValueError(f"backend {name!r} is named twice: compare different backends")
+            if name:
                 names.append(name)
     if not names:
         from kvcore.plugins import available_backends
@@ -36,22 +37,78 @@ def _backend_list(backend: list[str] | None, compare: str | None) -> list[str]:
 
 
 def _check_device(device: str) -> None:
-    base = device.split(":", 1)[0]
-    if base not in _DEVICES:
-        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or npu")
-    if base == "npu":
-        import importlib.util
-
-        if importlib.util.find_spec("kvcore_npu") is None:
-            from kvcore.errors import DeviceUnavailable
-
-            raise DeviceUnavailable(
-                "device 'npu' goes through the npu plugin (distribution kvcore-npu), which is not installed; "
-                "install plugins/npu with torch-npu and the Ascend CANN toolkit"
-            )
+    """One clear line for a device that is not registered (the choices) or not usable here (what is missing)."""
     from kvcore.devices import check_device
 
     check_device(device)
+
+
+def _default_page_size(specs: list, device: str) -> int:
+    """--page-size when not given: the largest default among the backends' configs and the device's."""
+    from kvcore.devices import get_device
+
+    sizes = [int(get_device(device).defaults.get("page_size", 1))]
+    for spec in specs:
+        default = spec.config.model_fields["page_size"].default
+        sizes.append(default if isinstance(default, int) and default > 0 else 1)
+    return max(sizes)
+
+
+# Slot ids live in int32 req_to_token rows; more rows than this is no engine's batch.
+_MAX_SLOTS = 2**31 - 2**16
+_MAX_ROWS = 2**20
+_MAX_REQUESTS = 10**7
+
+
+def _check_limits(size: int, swa_size: int | None, max_num_reqs: int, num_requests: int | None) -> None:
+    """Refuse pool and workload sizes this process cannot hold, before anything is allocated."""
+    import os
+
+    for opt, val in (("--size", size), ("--swa-size", swa_size)):
+        if val is not None and val > _MAX_SLOTS:
+            raise ValueError(f"{opt} {val:,} is more than {_MAX_SLOTS:,} slots (slot ids are int32)")
+    if max_num_reqs > _MAX_ROWS:
+        raise ValueError(f"--max-num-reqs {max_num_reqs:,} is more than {_MAX_ROWS:,} req_to_token rows")
+    if num_requests is not None and num_requests > _MAX_REQUESTS:
+        raise ValueError(f"--num-requests {num_requests:,} is more than {_MAX_REQUESTS:,}: run several seeds instead")
+    # About 40 bytes of bookkeeping per slot (free ring, per-page counts, ownership, window mapping).
+    need = 40 * (size + (swa_size or size))
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise ValueError(
+            f"--size {size:,} needs about {need / 2**30:,.0f} GiB of pool bookkeeping; this machine has "
+            f"{have / 2**30:,.0f} GiB"
+        )
+
+
+def _check_plot(plot: str) -> None:
+    """Refuse a --plot target that cannot be written, before the benchmark runs."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    if not plot.lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, not {plot!r}")
+    folder = Path(plot).parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {plot!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {plot!r}: folder {str(folder)!r} is not writable")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
+
+
+def _why_missing(name: str) -> str:
+    from kvcore.plugins import get_backend
+
+    try:
+        get_backend(name)
+    except LookupError as exc:
+        return str(exc)
+    return "unknown"
 
 
 def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
@@ -78,7 +135,10 @@ def bench(
         str,
         typer.Option(
             "--device",
-            help="cpu, cuda (cuda:N) or npu; on cuda/npu every prefill and decode writes real K/V.",
+            help=(
+                "A registered device (`kvcore backends` lists them and whether each is usable here): cpu, "
+                "cuda, cuda:N or a plugin's; off the CPU every prefill and decode writes real K/V."
+            ),
         ),
     ] = "cpu",
     workload: Annotated[str | None, typer.Option("--workload", "-w", help=_WORKLOAD_HELP)] = None,
@@ -120,7 +180,13 @@ def bench(
         ),
     ] = 0,
     size: Annotated[int, typer.Option("--size", help="Token slots in the (full) KV pool.")] = 65536,
-    page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page.")] = 1,
+    page_size: Annotated[
+        int | None,
+        typer.Option(
+            "--page-size",
+            help="Tokens per page (default: the largest default of the backends and the device; 1 for most on cpu).",
+        ),
+    ] = None,
     max_num_reqs: Annotated[
         int,
         typer.Option(
@@ -198,6 +264,16 @@ def bench(
             help="Write K/V bytes into the device buffer (default: on for cuda/npu).",
         ),
     ] = None,
+    topk_locality: Annotated[
+        float,
+        typer.Option(
+            "--topk-locality",
+            help=(
+                "Sparse-decode backends (hisparse): share of each step's top-k selection that is the most recent "
+                "tokens; the rest is uniform over the older context (0: uniform, 1: only the most recent)."
+            ),
+        ),
+    ] = 0.5,
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
 
@@ -213,26 +289,31 @@ def bench(
         workload = default_workload([set(spec.config.model_fields) for spec in specs], trace)
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of: {', '.join(WORKLOADS)}")
+    _check_device(device)
+    if page_size is None:
+        page_size = _default_page_size(specs, device)
     for opt, val in (("--size", size), ("--page-size", page_size), ("--max-num-reqs", max_num_reqs),
                      ("--chunk-size", chunk_size), ("--window", window), ("--swa-size", swa_size),
                      ("--swa-interval", swa_interval), ("--num-requests", num_requests)):
         _positive(opt, val)
     _positive("--check-every", check_every, allow_zero=True)
+    if not 0.0 <= topk_locality <= 1.0:
+        raise ValueError(f"--topk-locality must lie in [0, 1], got {topk_locality}")
     if chunk_size % page_size:
         raise ValueError(f"--chunk-size {chunk_size} is not a multiple of --page-size {page_size}")
-    if plot is not None and not plot.lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, not {plot!r}")
+    _check_limits(size, swa_size, max_num_reqs, num_requests)
+    if plot is not None:
+        _check_plot(plot)
 
     if reference is not None:
         get_backend(reference)
-    _check_device(device)
 
     from kvcore.bench import run_bench
 
     config = dict(
         device=device, size=size, page_size=page_size, max_num_reqs=max_num_reqs, chunk_size=chunk_size,
         window=window, swa_size=swa_size, swa_interval=swa_interval, sessions=sessions, check_every=check_every,
-        eviction_policy=eviction_policy, write_kv=write_kv,
+        eviction_policy=eviction_policy, write_kv=write_kv, topk_locality=topk_locality,
     )
     run_names = list(names)
     with_reference = False
@@ -242,6 +323,12 @@ def bench(
         with_reference = ref != names[0] and ref in available_backends()
         if with_reference:
             run_names.append(ref)
+        elif ref != names[0]:
+            typer.echo(
+                f"kvcore bench: the reference backend {ref!r} is not available ({_why_missing(ref)}); "
+                f"running {names[0]} alone (--no-reference to say so, --reference NAME for another)",
+                err=True,
+            )
     elif reference is not None:
         # A comparison: the reference goes first, so every ratio is against it.
         names = run_names = [reference, *(n for n in names if n != reference)]
@@ -263,6 +350,9 @@ def bench(
 
             return update
 
+    if num_requests is not None and num_requests >= 100_000 and not as_json:
+        typer.echo(f"kvcore bench: generating {num_requests:,} requests, then running them (this takes a while)",
+                   err=True)
     with bar:
         reports = run_bench(run_names, workload=workload, seed=seed, num_requests=num_requests, trace=trace,
                             step_ms=step_ms, progress=progress, **config)

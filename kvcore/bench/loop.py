@@ -35,7 +35,9 @@ from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation, KvcoreError
 from kvcore.record import Req, ReqKvInfo, ceil_align
 
-__all__ = ["BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache", "cache_options"]
+__all__ = [
+    "BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache", "cache_options",
+]
 
 
 class BenchStalled(KvcoreError, RuntimeError):
@@ -60,6 +62,7 @@ class BenchConfig:
     kv_heads: int = 8
     kv_head_dim: int = 128
     eviction_policy: str | None = None
+    topk_locality: float = 0.5  # sparse decode: share of each step's top-k that is the most recent tokens
 
 
 def config_fields(backend: str) -> set[str]:
@@ -156,6 +159,12 @@ class _Loop:
                                      layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
         self.engine = Engine(self.cache, kv_writer=self.kv, release_idle_sessions=False,
                              on_evict=self.metrics.count_evict)
+        # A sparse-attention backend reads a top-k selection of the context each decode step.
+        self.sparse = cache if cache.sparse_top_k() > 0 else None
+        if self.sparse is not None:
+            from kvcore.bench.workloads import TopKSelector
+
+            self.selector = TopKSelector(cache.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
         self.idle_sessions = self.engine.idle_sessions
         self.r2t = cache.req_to_token_pool
         self._check_fits()
@@ -431,13 +440,20 @@ class _Loop:
             if n == 0:
                 return 0
             rows_t, off_t, off_cpu = self._tensors()
+            # A sparse backend maps the new tokens first (on_decode_step); their K/V is written after.
+            writer = engine.kv_writer
+            if self.sparse is not None:
+                engine.kv_writer = None
             with self.bt:
                 slots = engine.alloc_decode(rows_t, off_t + self.G, off_cpu + self.G)
+            engine.kv_writer = writer
             if slots is not None:
                 break
             if not self._release_idle_session():
                 self._retract_newest()
         self.G += 1
+        if self.sparse is not None:
+            self._sparse_step(slots)
         self.metrics.sample(self.step)
         heap = self.finish_heap
         if heap and heap[0][0] <= self.G:
@@ -449,6 +465,18 @@ class _Loop:
             if done:
                 self._finish(done)
         return n
+
+    def _sparse_step(self, slots: torch.Tensor) -> None:
+        """The step's top-k selection to the backend, then the K/V of the new tokens."""
+        for job in self.running:
+            self._sync(job, outputs=False)
+        reqs = [job.req for job in self.running]
+        selections = self.selector([req.kv.kv_allocated_len for req in reqs])
+        assert self.sparse is not None
+        with self.bt:
+            self.sparse.on_decode_step(reqs, selections)
+            if self.engine.kv_writer is not None:
+                self.engine.kv_writer(slots)
 
     def _finish(self, done: list[_Job]) -> None:
         engine = self.engine

@@ -10,6 +10,7 @@ fixed block of 512 token ids (seeded by the id and ``--seed``), cuts the prompt 
 from __future__ import annotations
 
 import json
+import math
 import random
 from importlib import resources
 from pathlib import Path
@@ -41,10 +42,16 @@ class _Blocks:
         return blk
 
 
+# The longest prompt or output a trace line may ask for (a row of the request table holds it).
+MAX_TRACE_TOKENS = 1 << 20
+
+
 def _field(obj: dict, name: str, where: str) -> int:
     value = obj.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{where}: field {name!r} must be a non-negative integer, got {value!r}")
+    if value > MAX_TRACE_TOKENS:
+        raise ValueError(f"{where}: field {name!r} is {value:,} tokens, more than {MAX_TRACE_TOKENS:,}")
     return value
 
 
@@ -80,6 +87,8 @@ def load_trace(path: str | None, *, seed: int = 0, num_requests: int | None = No
             ts = obj.get("timestamp", 0)
             if not isinstance(ts, (int, float)) or isinstance(ts, bool):
                 raise ValueError(f"{where}: field 'timestamp' must be a number, got {ts!r}")
+            if not math.isfinite(ts) or ts < 0:
+                raise ValueError(f"{where}: field 'timestamp' must be a finite number >= 0 (ms), got {ts!r}")
             n_in = _field(obj, "input_length", where)
             n_out = _field(obj, "output_length", where)
             if n_in < 2 or n_out < 1:

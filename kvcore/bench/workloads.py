@@ -19,12 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvcore.bench.spec import VOCAB, RequestSpec, TokenSource, Workload
 from kvcore.bench.trace import load_trace
 
 __all__ = [
     "RequestSpec", "Workload", "TokenSource", "VOCAB", "WorkloadDef", "WORKLOADS", "DEFAULT_NUM_REQUESTS",
-    "register_workload", "make_workload", "default_workload", "workloads_table",
+    "register_workload", "make_workload", "default_workload", "workloads_table", "TopKSelector",
 ]
 
 
@@ -172,6 +174,46 @@ def _no_reuse(n: int, seed: int) -> Workload:
 )
 def _long_decode(n: int, seed: int) -> Workload:
     return _unrelated("long-decode", dict(prompt=(32, 256), output=(1024, 2048), rate=0.5), n, seed)
+
+
+@register_workload(
+    "sparse-decode", 8,
+    "long contexts of 8K-32K tokens, outputs 128-256, 1 arrival/step; every decode step reads a seeded top-k "
+    "selection per request (`--topk-locality`: 0 uniform over the context, 1 only the most recent tokens)",
+    favours="top_k",
+)
+def _sparse_decode(n: int, seed: int) -> Workload:
+    return _unrelated("sparse-decode", dict(prompt=(8192, 32768), output=(128, 256), rate=1.0), n, seed)
+
+
+class TopKSelector:
+    """The sparse-decode selection: per request, ``min(top_k, seq_len)`` distinct positions of its context.
+
+    ``locality`` of them are the most recent tokens (the newest included); the rest are
+    drawn uniformly from the older ones (with repeats dropped, so a few fewer).  Rows are
+    -1 padded to ``top_k``; one seeded generator makes the run reproducible.
+    """
+
+    def __init__(self, top_k: int, locality: float, seed: int = 0):
+        if not 0.0 <= locality <= 1.0:
+            raise ValueError(f"--topk-locality must lie in [0, 1], got {locality}")
+        self.top_k = top_k
+        self.locality = locality
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, seq_lens: list[int]) -> torch.Tensor:
+        k = self.top_k
+        out = torch.full((len(seq_lens), k), -1, dtype=torch.int64)
+        for i, n in enumerate(seq_lens):
+            want = min(k, n)
+            recent = int(round(self.locality * want))
+            older = n - recent
+            picks = torch.arange(older, n, dtype=torch.int64)
+            if want > recent and older > 0:
+                drawn = torch.unique(torch.randint(0, older, (want - recent,), generator=self.gen))
+                picks = torch.cat((drawn, picks))
+            out[i, : picks.numel()] = picks
+        return out
 
 
 @register_workload(

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import torch
 
 from kvcore.pools.views import PoolView
 
-__all__ = ["TokenToKVPoolAllocator", "split_row_segments", "trim_row_segments"]
+__all__ = ["SlotClaims", "TokenToKVPoolAllocator", "checked_count", "split_row_segments", "trim_row_segments"]
 
 Lens = torch.Tensor | Sequence[int]
 
@@ -18,6 +19,16 @@ def _cpu_lens(x: Lens) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().to(device="cpu", dtype=torch.int64).reshape(-1)
     return torch.as_tensor(list(x), dtype=torch.int64).reshape(-1)
+
+
+def checked_count(value: Any, what: str) -> int:
+    """``value`` as an int (anything with ``__index__``), or TypeError naming ``what``; bools are refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool ({value!r})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} ({value!r})") from None
 
 
 def trim_row_segments(segments: Sequence[tuple[torch.Tensor, int]], page_size: int) -> list[tuple[torch.Tensor, int]]:
@@ -65,6 +76,21 @@ def split_row_segments(
     return dead, alive
 
 
+class SlotClaims(Protocol):
+    """Which slots a cache (its tree nodes) owns: what a tree backend calls under ``strict``.
+
+    ``TokenToKVPoolAllocator`` and ``SWATokenToKVPoolAllocator`` (full-side ids) implement it.
+    """
+
+    def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None: ...
+
+    def claim(self, slots: torch.Tensor, *, checked: bool = True) -> None: ...
+
+    def disown(self, slots: torch.Tensor) -> None: ...
+
+    def claimed_slots(self) -> torch.Tensor: ...
+
+
 class TokenToKVPoolAllocator:
     """Hands out token slots (whole pages when ``page_size > 1``).
 
@@ -88,6 +114,9 @@ class TokenToKVPoolAllocator:
         self._free_cnt = torch.zeros(self.num_pages + 1, dtype=torch.int32, device=device)
         self._ones = torch.ones(self.num_pages, dtype=torch.int32, device=device)
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        # Per slot id: 1 when a cache (a tree node) owns the slot -- see claim().  Made on first use.
+        self._owned: torch.Tensor | None = None
+        self._slot_ones: torch.Tensor | None = None
         self.clear()
 
     # ---- state -------------------------------------------------------------
@@ -100,6 +129,9 @@ class TokenToKVPoolAllocator:
         self._free_cnt[0] = 0
         self._group: list[torch.Tensor] | None = None
         self._rep_group: list[torch.Tensor] = []
+        if self._owned is not None:
+            self._owned.zero_()
+            self._owned[: self.page_size] = 1
 
     def available_size(self) -> int:
         return self._count * self.page_size
@@ -210,9 +242,92 @@ class TokenToKVPoolAllocator:
         slot = int(s[1:][s[1:] == s[:-1]][0])
         raise ValueError(f"slot {slot} appears twice in one free (double free)")
 
+    # ---- ownership by a cache ----------------------------------------------
+
+    def _owner_map(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._owned is None or self._slot_ones is None:
+            n = self.size + self.page_size
+            self._owned = torch.zeros(n, dtype=torch.int32, device=self.device)
+            self._owned[: self.page_size] = 1  # the padding page: never claimable
+            self._slot_ones = torch.ones(n, dtype=torch.int32, device=self.device)
+        return self._owned, self._slot_ones
+
+    def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None:
+        """Raise ValueError, changing nothing, unless every slot may become a cache's own.
+
+        A claimable slot is in range (not padding), handed out (not in the free
+        list), named once, and not already claimed by a cache (another tree node).
+        With ``commit`` the slots are claimed too: ``disown`` gives them up.  Costs
+        five tensor operations and one host sync per call, whatever its size.
+        """
+        k = slots.numel()
+        if k == 0:
+            return
+        p = self.page_size
+        owned, ones = self._owner_map()
+        pages = slots if p == 1 else torch.div(slots, p, rounding_mode="floor")
+        try:
+            # Bounds-checked (negative ids too) before anything is written: the page table
+            # covers exactly the slot range, padding page included.
+            free = self._free_cnt.index_select(0, pages)
+        except IndexError:
+            self._raise_unclaimable(slots, what)
+        owned.index_add_(0, slots, ones[:k])
+        # After the add every count is 1 (named once, not owned before, not padding) and every
+        # page is handed out (free count 0) iff the largest of count + 2 * free is 1.
+        ok = int(owned.index_select(0, slots).add_(free, alpha=2).max()) == 1
+        if not ok or not commit:
+            owned.index_add_(0, slots, ones[:k], alpha=-1)
+        if not ok:
+            self._raise_unclaimable(slots, what)
+
+    def _raise_unclaimable(self, slots: torch.Tensor, what: str) -> NoReturn:
+        p = self.page_size
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        if lo < p or hi >= self.size + p:
+            bad = lo if lo < p else hi
+            kind = "the padding page" if 0 <= bad < p else "out of range"
+            raise ValueError(f"{what}: slot {bad} is {kind}: valid slots are [{p}, {self.size + p})")
+        free = self._free_cnt.index_select(0, torch.div(slots, p, rounding_mode="floor")) != 0
+        if bool(free.any()):
+            raise ValueError(f"{what}: slot {int(slots[free][0])} is free (not allocated): a cache may only keep "
+                             "slots a request holds")
+        assert self._owned is not None
+        taken = self._owned.index_select(0, slots) != 0
+        if bool(taken.any()):
+            raise ValueError(f"{what}: slot {int(slots[taken][0])} is already owned by another tree node")
+        s = torch.sort(slots).values
+        raise ValueError(f"{what}: slot {int(s[1:][s[1:] == s[:-1]][0])} appears twice in one value")
+
+    def claim(self, slots: torch.Tensor, *, checked: bool = True) -> None:
+        """Mark ``slots`` as a cache's own (``check_claimable(commit=True)``, or unchecked with ``checked=False``)."""
+        if checked:
+            self.check_claimable(slots, commit=True)
+        elif slots.numel():
+            self._owner_map()[0].index_fill_(0, slots, 1)
+
+    def disown(self, slots: torch.Tensor) -> None:
+        """A cache gives up ``slots`` (before freeing them); ids outside the pool are ignored."""
+        owned = self._owned
+        if owned is None or slots.numel() == 0:
+            return
+        slots = slots.to(torch.int64)
+        lo, hi = (int(v) for v in torch.aminmax(slots))
+        p = self.page_size
+        if lo < p or hi >= owned.numel():
+            slots = slots[(slots >= p) & (slots < owned.numel())]
+        owned.index_fill_(0, slots, 0)
+
+    def claimed_slots(self) -> torch.Tensor:
+        """Every slot a cache claimed and has not disowned, ascending."""
+        if self._owned is None:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return self._owned[self.page_size :].nonzero().flatten() + self.page_size
+
     # ---- alloc / free ------------------------------------------------------
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
+        need_size = checked_count(need_size, "need_size")
         if need_size < 0:
             raise ValueError(f"need_size={need_size} must be >= 0")
         if need_size % self.page_size:

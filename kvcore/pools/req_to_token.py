@@ -35,12 +35,19 @@ class ReqToTokenPool:
         # The flag list makes double-free checks O(1); row 0 is padding, never free.
         self._free: list[int] = list(range(1, self.size + 1))
         self._is_free = [False] + [True] * self.size
+        # The record (ReqKvInfo) each row was handed to, so a release can check it is the holder.
+        self._holder: list[Any] = [None] * (self.size + 1)
 
     def available_size(self) -> int:
         return len(self._free)
 
     def free_rows(self) -> list[int]:
         return list(self._free)
+
+    def holds(self, kv: Any) -> bool:
+        """True when ``kv`` (a ReqKvInfo) holds one of this pool's rows, handed to it by ``alloc``."""
+        row = kv.req_pool_idx
+        return row is not None and 1 <= row <= self.size and self._holder[row] is kv
 
     def write(self, indices: Any, values: Any) -> None:
         self.req_to_token[indices] = values
@@ -58,6 +65,7 @@ class ReqToTokenPool:
             del self._free[-len(need):]
             for kv, row in zip(need.values(), rows):
                 self._is_free[row] = False
+                self._holder[row] = kv
                 kv.req_pool_idx = row
         return [r.kv.req_pool_idx for r in reqs]
 
@@ -69,6 +77,9 @@ class ReqToTokenPool:
             raise ValueError(f"{_name(owner)} holds row {row}, outside the pool's rows 1..{self.size}")
         if self._is_free[row]:
             raise ValueError(f"row {row} of {_name(owner)} is already free (double free)")
+        if self._holder[row] is not owner.kv:
+            raise ValueError(f"row {row} is not {_name(owner)}'s: this pool handed it to another record")
         self._is_free[row] = True
+        self._holder[row] = None
         self._free.append(row)
         owner.kv.req_pool_idx = None

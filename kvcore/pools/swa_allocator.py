@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from kvcore.pools.allocator import Lens, TokenToKVPoolAllocator, _cpu_lens, split_row_segments, trim_row_segments
+from kvcore.pools.allocator import (
+    Lens,
+    TokenToKVPoolAllocator,
+    _cpu_lens,
+    checked_count,
+    split_row_segments,
+    trim_row_segments,
+)
 from kvcore.pools.views import PoolView
 
 __all__ = ["SWATokenToKVPoolAllocator"]
@@ -69,11 +76,19 @@ class SWATokenToKVPoolAllocator:
         return self.swa_attn_allocator.free_slots()
 
     def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
-        return self._mapping[self.full_attn_allocator._as_slots(indices)]
+        slots = self.full_attn_allocator._as_slots(indices)
+        try:
+            return self._mapping[slots]  # -1 (an empty prefix's last_loc) maps to -1
+        except IndexError:
+            bad = slots[slots >= self._mapping.numel() - 1]
+            raise ValueError(
+                f"full slot {int(bad[0])} is outside the pool (slots 0..{self._mapping.numel() - 2})"
+            ) from None
 
     # ---- alloc -------------------------------------------------------------
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
+        need_size = checked_count(need_size, "need_size")
         if need_size < 0 or need_size % self.page_size:
             raise ValueError(f"need_size={need_size} must be >= 0 and a multiple of page_size={self.page_size}")
         if need_size > self.available_size():
@@ -122,6 +137,21 @@ class SWATokenToKVPoolAllocator:
         assert full is not None and swa is not None
         self.full_to_swa_index_mapping[full] = swa
         return full
+
+    # ---- ownership by a cache (full-side slot ids) ---------------------------
+
+    def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None:
+        """``TokenToKVPoolAllocator.check_claimable`` on the full side."""
+        self.full_attn_allocator.check_claimable(slots, commit=commit, what=what)
+
+    def claim(self, slots: torch.Tensor, *, checked: bool = True) -> None:
+        self.full_attn_allocator.claim(slots, checked=checked)
+
+    def disown(self, slots: torch.Tensor) -> None:
+        self.full_attn_allocator.disown(slots)
+
+    def claimed_slots(self) -> torch.Tensor:
+        return self.full_attn_allocator.claimed_slots()
 
     # ---- free --------------------------------------------------------------
 

@@ -10,6 +10,14 @@ Keys
     one C pass; TypeError/ValueError naming the first bad id otherwise) and
     :func:`checked_key` (any key-like value -> a checked :class:`kvcore.RadixKey`).
     Keys with different ``extra_key`` never share a prefix.
+    :func:`check_evict_count` (an ``evict`` count: TypeError for a non-int,
+    ValueError when negative).
+
+Slots a tree keeps
+    With the common ``strict`` option on (the default), a tree claims the slots
+    it keeps: ``allocator.check_claimable(slots, commit=True)`` before changing
+    anything (refuses padding, out-of-range, free, duplicated slots and slots
+    another node owns), ``allocator.disown(slots)`` before freeing them.
 
 Walking a key
     :func:`child_key` (the dict key of an edge: its first token, or first page as
@@ -64,6 +72,7 @@ its (evictable, protected) counts per pool from ``cached_sizes()``.
 """
 
 from kvcore.keys import check_token_ids, checked_key
+from kvcore.tree.checks import check_evict_count
 from kvcore.tree.events import (
     AllPagesCleared,
     PageRemoved,
@@ -96,6 +105,7 @@ __all__ = [
     "PageRemoved",
     "PageStored",
     "chain_page_hashes",
+    "check_evict_count",
     "check_locked",
     "check_token_ids",
     "checked_key",

@@ -20,10 +20,12 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams
 from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
+from kvcore.pools.allocator import SlotClaims
 from kvcore.record import floor_align
 from kvcore.tree import (
     AllPagesCleared,
     Node,
+    check_evict_count,
     check_locked,
     iter_subtree,
     lock_path,
@@ -97,6 +99,10 @@ class RadixCache(BasePrefixCache):
         if alloc_ps != self.page_size:
             raise ValueError(f"page_size={self.page_size} differs from the allocator's page_size={alloc_ps}")
         self.disable = bool(config.disable)
+        # strict: insert claims its slots in the allocator (refusing free, padding, out-of-range,
+        # duplicated or already-owned ones) and evict/reset disown them.
+        self.strict = bool(config.strict)
+        self._claims = cast(SlotClaims, self.token_to_kv_pool_allocator)
         self.enable_kv_events = bool(config.enable_kv_events)
         self.eviction_policy = str(config.eviction_policy).lower()
         self._check_match_tail = getattr(config, "key_validation", "full") != "stored"
@@ -133,7 +139,10 @@ class RadixCache(BasePrefixCache):
             )
         values = [owner.slots for owner in self.iter_owned_slots()]
         if values:
-            self.token_to_kv_pool_allocator.free(torch.cat(values))
+            slots = torch.cat(values)
+            if self.strict:
+                self._claims.disown(slots)
+            self.token_to_kv_pool_allocator.free(slots)
         self._init_tree()
         if self.enable_kv_events:
             self._events.append(AllPagesCleared())
@@ -207,7 +216,7 @@ class RadixCache(BasePrefixCache):
             check_token_ids(ids)
             raise
         if check_tail and not rk.validated:
-            check_token_ids(ids, found[1] + found[3])
+            check_token_ids(ids, found[1] + found[3], refuse_bools=self.strict)
             # The walked part equals validated cached ids, the rest was just checked.
             rk.validated = True
         return found
@@ -285,6 +294,19 @@ class RadixCache(BasePrefixCache):
         else:
             path, pos, split_child, m = self._walk(rk, n)
         self._last_walk = None
+        pos0 = pos + m
+        v = None
+        if pos0 < n:
+            if value is None:
+                v = torch.tensor(ids[pos0:n], dtype=torch.int64, device=self.device)
+            else:
+                if value.dtype is torch.int64:
+                    v = torch.narrow_copy(value, 0, pos0, n - pos0)  # one op: ~2x cheaper than slice + clone
+                else:
+                    v = value[pos0:n].to(torch.int64)
+                if self.strict:
+                    # Refused (nothing changed) unless every new slot may become this tree's own.
+                    self._claims.check_claimable(v, commit=True)
         # Nothing has changed so far; from here on the insert cannot fail.
         if priority is None:
             priority = 0
@@ -307,13 +329,7 @@ class RadixCache(BasePrefixCache):
                 node.priority = priority
             pos += m
         prefix_len = pos
-        if pos < n:
-            if value is None:
-                v = torch.tensor(ids[pos:n], dtype=torch.int64, device=self.device)
-            elif value.dtype is torch.int64:
-                v = torch.narrow_copy(value, 0, pos, n - pos)  # one op: ~2x cheaper than slice + clone
-            else:
-                v = value[pos:n].to(torch.int64)
+        if v is not None:
             if pos:
                 ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
             else:
@@ -356,6 +372,10 @@ class RadixCache(BasePrefixCache):
             return LockResult(delta=0)
         path = self._path(node, "dec_lock_ref")
         check_locked(path, node, "dec_lock_ref")
+        if lock is not None:
+            if lock.extras.get("released"):
+                raise ValueError(f"dec_lock_ref: this lock on {node!r} was already given back")
+            lock.extras["released"] = True
         newly: list = []
         delta = unlock_path(path, newly)
         leaves = self._evictable_leaves
@@ -369,6 +389,7 @@ class RadixCache(BasePrefixCache):
     # ------------------------------------------------------------------ eviction
 
     def evict(self, num_tokens: int) -> EvictResult:
+        num_tokens = check_evict_count(num_tokens)
         if self.disable or num_tokens <= 0 or not self._evictable_leaves:
             return EvictResult(0)
         get_priority = self.eviction_strategy.get_priority
@@ -410,6 +431,8 @@ class RadixCache(BasePrefixCache):
         leaf evicted ends up first.  One call here does the same.
         """
         alloc = self.token_to_kv_pool_allocator
+        if self.strict:
+            self._claims.disown(freed[0] if len(freed) == 1 else torch.cat(freed))
         if self.page_size == 1:
             alloc.free(freed[0] if len(freed) == 1 else torch.cat(freed))
         else:
@@ -417,7 +440,21 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ requests
 
+    def _check_req_lock(self, req, what: str) -> None:
+        """Refuse a request whose lock is not (or no longer) held in this tree, before anything changes."""
+        node = req.last_node
+        if node is None or self.disable:
+            return
+        lock = req.lock
+        if isinstance(lock, LockResult) and lock.extras.get("released"):
+            raise ValueError(
+                f"{what}: request {req.rid!r}'s lock on {node!r} was already given back (a dec_lock_ref by hand?); "
+                "nothing was changed"
+            )
+        check_locked(self._path(node, what), node, what)
+
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
+        self._check_req_lock(req, "cache_finished_req")
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
@@ -444,6 +481,7 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
         if self.disable:
             return
+        self._check_req_lock(req, "cache_unfinished_req")
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len

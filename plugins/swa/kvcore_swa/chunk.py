@@ -9,6 +9,7 @@ import torch
 from kvcore.cache import EvictResult, InsertResult, LockResult, MatchResult
 from kvcore.chunk_cache import ChunkCache
 from kvcore.keys import checked_key
+from kvcore.tree import check_evict_count
 from kvcore_swa.config import require_swa_allocator
 from kvcore_swa.window import SlidingWindowMixin, window_size
 
@@ -51,9 +52,8 @@ class SWAChunkCache(SlidingWindowMixin, ChunkCache):
         return InsertResult(prefix_len=0)
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
-        for name, v in (("num_tokens", num_tokens), ("swa_num_tokens", swa_num_tokens)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        num_tokens = check_evict_count(num_tokens)
+        swa_num_tokens = check_evict_count(swa_num_tokens, "swa_num_tokens")
         return EvictResult(0, 0)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:

@@ -35,6 +35,7 @@ from kvcore.tree import (
     AllPagesCleared,
     LRUList,
     Node,
+    check_evict_count,
     check_locked,
     iter_subtree,
     lock_path,
@@ -149,6 +150,9 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         self.device = alloc.device
         self.sliding_window_size = sliding_window_size
         self.disable = bool(getattr(config, "disable", False))
+        # strict: the tree claims the full slots it keeps (refusing free, padding, out-of-range,
+        # duplicated or already-owned ones before anything changes) and disowns them when freed.
+        self.strict = bool(config.strict)
         self.enable_kv_events = bool(getattr(config, "enable_kv_events", False))
         self.eviction_policy = getattr(config, "eviction_policy", "lru")
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -187,6 +191,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             (dead if node.tombstone else live).append(node.value)
         for node in nodes:
             node.parent = None
+        if self.strict and (live or dead):
+            alloc.disown(torch.cat(live + dead))
         if live:
             alloc.free(torch.cat(live))
         if dead:
@@ -359,6 +365,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if n == 0:
             return InsertResult(0, self.root_node, duplicates_freed=True)
         value = value[:n]
+        if self.strict:
+            self._check_slots(value, prev_prefix_len, n)
         if swa_evicted_seqlen > prev_prefix_len:
             # The caller says these window slots are gone; make sure they are.
             self._release_window(value[prev_prefix_len : min(swa_evicted_seqlen, n)])
@@ -383,6 +391,11 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 + (f" ({lo} page-aligned)" if lo != key_len else "")
             )
         return value.to(device=self.device, dtype=torch.int64)
+
+    def _check_slots(self, value: torch.Tensor, lo: int, hi: int, what: str = "insert") -> None:
+        """Refuse (nothing changed) unless ``value[lo:hi]``, the caller's own slots, may enter the tree."""
+        if hi > lo:
+            self.token_to_kv_pool_allocator.check_claimable(value[lo:hi], what=what)
 
     def _release_window(self, slots: torch.Tensor) -> None:
         """Free whatever window side ``slots`` still map to (already-unmapped ones are skipped)."""
@@ -477,6 +490,9 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             mapping[incoming] = 0
             alloc.free_full(incoming)
         else:
+            if self.strict:
+                alloc.disown(node.value)
+                alloc.claim(incoming, checked=False)
             alloc.free_full(node.value)
             node.value = incoming.clone()
         node.tombstone = False
@@ -491,6 +507,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         node.key = key
         node.extra_key = extra_key
         node.value = value.clone()
+        if self.strict:
+            self.token_to_kv_pool_allocator.claim(node.value, checked=False)
         node.tombstone = tombstone
         node.last_access_time = self._tick()
         ps = self.page_size
@@ -657,9 +675,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
         """Free at least ``num_tokens`` full slots and ``swa_num_tokens`` window slots, if it can."""
-        for name, v in (("num_tokens", num_tokens), ("swa_num_tokens", swa_num_tokens)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        num_tokens = check_evict_count(num_tokens)
+        swa_num_tokens = check_evict_count(swa_num_tokens, "swa_num_tokens")
         if self.disable:
             return EvictResult(0, 0)
         alloc = self.token_to_kv_pool_allocator
@@ -712,6 +729,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         assert not x.children and x.lock_ref == 0, x
         n = len(x.key)
         if free:
+            if self.strict:
+                self.token_to_kv_pool_allocator.disown(x.value)
             if x.tombstone:
                 self.token_to_kv_pool_allocator.free_full(x.value)
             else:
@@ -755,6 +774,24 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if hi > lo:
             self._release_window(self._row(kv)[lo:hi].to(torch.int64))
 
+    def _check_req_lock(self, req: Req, what: str) -> None:
+        """Refuse a request whose lock is not held in this tree, before anything changes."""
+        node = req.last_node
+        if not isinstance(node, SWATreeNode) or node is self.root_node:
+            return
+        lock = req.lock if isinstance(req.lock, LockResult) else None
+        if lock is not None and (lock.extras or {}).get("released"):
+            return  # given back already: the release skips it
+        check_locked(self._path(node, what), node, what)
+
+    def _check_req_slots(self, req: Req, is_insert: bool) -> None:
+        """Under ``strict``: the row's ``[cache_protected_len, aligned committed)`` may enter the tree."""
+        kv = req.kv
+        aligned = floor_align(kv.kv_committed_len, self.page_size)
+        if self.strict and is_insert and aligned > kv.cache_protected_len:
+            row = self._row(kv)[:aligned].to(torch.int64)
+            self._check_slots(row, kv.cache_protected_len, aligned, f"request {req.rid!r}")
+
     def _release_req_lock(self, req: Req) -> None:
         node = req.last_node
         if isinstance(node, SWATreeNode) and node is not self.root_node:
@@ -780,6 +817,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             req.last_node = None
             req.lock = None
             return
+        self._check_req_lock(req, "cache_finished_req")
+        self._check_req_slots(req, is_insert)
         self._settle_window(kv, committed)
         aligned = floor_align(committed, self.page_size)
         if is_insert and aligned > 0 and aligned >= protected:
@@ -812,6 +851,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if self.disable:
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
+        self._check_req_lock(req, "cache_unfinished_req")
+        self._check_req_slots(req, True)
         self._settle_window(kv, committed)
         protected = kv.cache_protected_len
         sev = kv.swa_evicted_seqlen

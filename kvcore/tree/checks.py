@@ -1,0 +1,21 @@
+"""Argument checks every cache's public entry points share: refuse before changing anything."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+__all__ = ["check_evict_count"]
+
+
+def check_evict_count(value: Any, what: str = "num_tokens") -> int:
+    """``value`` as a non-negative int: TypeError for a non-int (bools too), ValueError when negative."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool ({value!r})")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} ({value!r})") from None
+    if n < 0:
+        raise ValueError(f"{what} must be >= 0, got {n}")
+    return n

@@ -1,0 +1,21 @@
+"""Entry point ``hisparse`` in group ``kvcore``: registers the ``hisparse`` backend."""
+
+from __future__ import annotations
+
+from kvcore import hookimpl
+from kvcore_hisparse.cache import HiSparseCache
+from kvcore_hisparse.config import HiSparseConfig
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register(
+        "hisparse",
+        HiSparseCache,
+        config=HiSparseConfig,
+        description=(
+            "Sparse-attention decode with full KV on the host and a small per-request device buffer "
+            "(top-k swap-in with a per-layer LRU; SGLang HiSparseCoordinator)"
+        ),
+        reference="chunk",
+    )
