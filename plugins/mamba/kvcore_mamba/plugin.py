@@ -1,0 +1,20 @@
+"""Entry point ``mamba`` in group ``kvcore``: registers the ``mamba`` backend."""
+
+from __future__ import annotations
+
+from kvcore import hookimpl
+from kvcore_mamba.config import MambaConfig
+from kvcore_mamba.mamba_cache import MambaRadixCache
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register(
+        "mamba",
+        MambaRadixCache,
+        config=MambaConfig,
+        description=(
+            "Hybrid full-attention + Mamba radix tree: a state pool, state snapshots per node, mamba "
+            "tombstones, two LRU orders, copy-on-write states (SGLang MambaRadixCache)"
+        ),
+    )
