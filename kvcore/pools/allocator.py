@@ -117,6 +117,10 @@ class TokenToKVPoolAllocator:
         # Per slot id: 1 when a cache (a tree node) owns the slot -- see claim().  Made on first use.
         self._owned: torch.Tensor | None = None
         self._slot_ones: torch.Tensor | None = None
+        self._slot_zeros = torch.empty(0, dtype=torch.int32, device=device)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # log2(page_size) when a power of two (page of a slot by one shift), else -1.
+        self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
         self.clear()
 
     # ---- state -------------------------------------------------------------
@@ -250,7 +254,18 @@ class TokenToKVPoolAllocator:
             self._owned = torch.zeros(n, dtype=torch.int32, device=self.device)
             self._owned[: self.page_size] = 1  # the padding page: never claimable
             self._slot_ones = torch.ones(n, dtype=torch.int32, device=self.device)
+            self._slot_zeros = torch.zeros(n, dtype=torch.int32, device=self.device)
         return self._owned, self._slot_ones
+
+    def _ones_zeros(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``k`` ones and ``k`` zeros (int32), cached: slicing costs as much as a check op."""
+        views = self._views.get(k)
+        if views is None:
+            if len(self._views) >= 64:
+                self._views.clear()
+            assert self._slot_ones is not None
+            views = self._views[k] = (self._slot_ones[:k], self._slot_zeros[:k])
+        return views
 
     def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None:
         """Raise ValueError, changing nothing, unless every slot may become a cache's own.
@@ -258,26 +273,32 @@ class TokenToKVPoolAllocator:
         A claimable slot is in range (not padding), handed out (not in the free
         list), named once, and not already claimed by a cache (another tree node).
         With ``commit`` the slots are claimed too: ``disown`` gives them up.  Costs
-        five tensor operations and one host sync per call, whatever its size.
+        three index operations (gather free counts, scatter-add ownership, gather
+        it back) and two ``torch.equal`` tests per call, whatever its size.
         """
         k = slots.numel()
         if k == 0:
             return
-        p = self.page_size
-        owned, ones = self._owner_map()
-        pages = slots if p == 1 else torch.div(slots, p, rounding_mode="floor")
+        owned, _ = self._owner_map()
+        if k > owned.numel():  # more slots than the pool has: some are bad or named twice
+            self._raise_unclaimable(slots, what)
+        shift = self._page_shift
+        pages = slots if shift == 0 else (
+            slots.bitwise_right_shift(shift) if shift > 0 else torch.div(slots, self.page_size, rounding_mode="floor")
+        )
         try:
             # Bounds-checked (negative ids too) before anything is written: the page table
             # covers exactly the slot range, padding page included.
             free = self._free_cnt.index_select(0, pages)
         except IndexError:
             self._raise_unclaimable(slots, what)
-        owned.index_add_(0, slots, ones[:k])
-        # After the add every count is 1 (named once, not owned before, not padding) and every
-        # page is handed out (free count 0) iff the largest of count + 2 * free is 1.
-        ok = int(owned.index_select(0, slots).add_(free, alpha=2).max()) == 1
+        ones, zeros = self._ones_zeros(k)
+        owned.index_add_(0, slots, ones)
+        # After the add every count is 1 iff each slot was named once, not owned before and
+        # not padding; every page is handed out iff its free count is 0.
+        ok = torch.equal(owned.index_select(0, slots), ones) and torch.equal(free, zeros)
         if not ok or not commit:
-            owned.index_add_(0, slots, ones[:k], alpha=-1)
+            owned.index_add_(0, slots, ones, alpha=-1)
         if not ok:
             self._raise_unclaimable(slots, what)
 
