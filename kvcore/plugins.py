@@ -241,26 +241,7 @@ def _collect(state: _State) -> None:
         for spec in mine:
             claims.setdefault(spec.name, []).append(spec)
 
-    for name, specs in claims.items():
-        own = [s for s in specs if _first_party(s.distribution)]
-        if own and len(own) < len(specs):
-            # A third party may not take a name the kvcore project's own distributions register.
-            for s in specs:
-                if s not in own:
-                    state.failures.append(PluginFailure(
-                        s.plugin, s.distribution,
-                        f"backend {name!r} is already provided by {own[0].distribution}; register yours under "
-                        f"another name (for example {s.distribution.split('-')[0] + '-' + name!r})",
-                    ))
-            specs = own
-        if len(specs) == 1:
-            state.backends[name] = specs[0]
-            continue
-        dists = " and ".join(f"{s.distribution} (plugin {s.plugin})" for s in specs)
-        message = f"backend {name!r} is registered by both {dists}; uninstall one or block it with {BLOCK_ENV}"
-        state.conflicts[name] = message
-        for s in specs:
-            state.failures.append(PluginFailure(s.plugin, s.distribution, message))
+    _settle_claims(state, "backend", claims, state.backends, state.conflicts)
 
     _collect_devices(state)
 
@@ -343,23 +324,30 @@ def _collect_devices(state: _State) -> None:
         for spec in mine:
             claims.setdefault(spec.name, []).append(spec)
 
+    _settle_claims(state, "device", claims, state.devices, state.device_conflicts)
+
+
+def _settle_claims(state: _State, kind: str, claims: dict[str, list[Any]], won: dict[str, Any],
+                   conflicts: dict[str, str]) -> None:
+    """Give each claimed name to its one claimant; report third parties taking a first-party name, and clashes."""
     for name, specs in claims.items():
         own = [s for s in specs if _first_party(s.distribution)]
         if own and len(own) < len(specs):
+            # A third party may not take a name the kvcore project's own distributions register.
             for s in specs:
                 if s not in own:
                     state.failures.append(PluginFailure(
                         s.plugin, s.distribution,
-                        f"device {name!r} is already provided by {own[0].distribution}; register yours under "
-                        "another name",
+                        f"{kind} {name!r} is already provided by {own[0].distribution}; register yours under "
+                        f"another name (for example {s.distribution.split('-')[0] + '-' + name!r})",
                     ))
             specs = own
         if len(specs) == 1:
-            state.devices[name] = specs[0]
+            won[name] = specs[0]
             continue
         dists = " and ".join(f"{s.distribution} (plugin {s.plugin})" for s in specs)
-        message = f"device {name!r} is registered by both {dists}; uninstall one or block it with {BLOCK_ENV}"
-        state.device_conflicts[name] = message
+        message = f"{kind} {name!r} is registered by both {dists}; uninstall one or block it with {BLOCK_ENV}"
+        conflicts[name] = message
         for s in specs:
             state.failures.append(PluginFailure(s.plugin, s.distribution, message))
 
