@@ -228,6 +228,32 @@ class BasePrefixCache(ABC):
         """
         return 0
 
+    def rebase_on_match(self, req: Req, match: MatchResult, committed: int) -> int:
+        """Point a running request at the tree's copy of its prefix, after ``cache_unfinished_req`` inserted it.
+
+        Writes the matched slots into the row above ``cache_protected_len``, moves the
+        request's lock from its old node to the match's node, sets ``prefix_indices``
+        (the tree's slots, then the row up to ``committed``) and the new protected
+        length, which it returns.  For backends whose lock is one plain path lock.
+        """
+        kv = req.kv
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        new_indices, new_last = match.device_indices, match.last_device_node
+        new_len = int(new_indices.numel())
+        protected = kv.cache_protected_len
+        if new_len > protected:
+            row[protected:new_len] = new_indices[protected:].to(row.dtype)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node, req.lock)
+        req.lock = self.inc_lock_ref(new_last)
+        req.last_node = new_last
+        if new_len < committed:
+            req.prefix_indices = torch.cat([new_indices, row[new_len:committed].to(torch.int64)])
+        else:
+            req.prefix_indices = new_indices
+        kv.cache_protected_len = new_len
+        return new_len
+
     # -- release ------------------------------------------------------------
 
     def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:

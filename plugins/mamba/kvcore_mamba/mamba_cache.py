@@ -904,17 +904,7 @@ class MambaRadixCache(BasePrefixCache):
                              prev_prefix_len=protected, chunked=chunked)
         if result.mamba_exist:
             self.mamba_pool.free(donated)
-        match = self.match_prefix(key)
-        new_indices, new_last = match.device_indices, match.last_device_node
-        new_len = int(new_indices.numel())
-        if new_len > protected:
-            row[protected:new_len] = new_indices[protected:].to(row.dtype)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.lock = self.inc_lock_ref(new_last)
-        req.last_node = new_last
-        req.prefix_indices = torch.cat([new_indices, row[new_len:committed].to(torch.int64)])
-        kv.cache_protected_len = new_len
+        self.rebase_on_match(req, self.match_prefix(key), committed)
         comp.mamba_last_track_seqlen = None
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
@@ -991,20 +981,7 @@ class MambaRadixCache(BasePrefixCache):
         result = self.insert(key, values, mamba_value=donated, prev_prefix_len=protected, chunked=chunked)
         if result.mamba_exist:
             self.mamba_pool.free(donated)
-        match = self.match_prefix(key)
-        new_indices, new_last = match.device_indices, match.last_device_node
-        new_len = int(new_indices.numel())
-        if new_len > protected:
-            row[protected:new_len] = new_indices[protected:].to(row.dtype)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.lock = self.inc_lock_ref(new_last)
-        req.last_node = new_last
-        if new_len < committed:
-            req.prefix_indices = torch.cat([new_indices, row[new_len:committed].to(torch.int64)])
-        else:
-            req.prefix_indices = new_indices
-        kv.cache_protected_len = new_len
+        self.rebase_on_match(req, self.match_prefix(key), committed)
 
     # ------------------------------------------------------------------ debugging
 

@@ -493,19 +493,6 @@ class RadixCache(BasePrefixCache):
         self.free_kv_row(kv, [(protected, result.prefix_len)])
 
         match = self.match_prefix(key)
-        new_indices, new_last_node = match.device_indices, match.last_device_node
-        new_len = int(new_indices.shape[0])
-        if new_len != aligned:
-            raise AssertionError(f"request {req.rid!r}: re-match found {new_len} of {aligned} inserted tokens")
-        if new_len > protected:
-            row[protected:new_len] = new_indices[protected:].to(row.dtype)
-        kv.cache_protected_len = new_len
-
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.lock = self.inc_lock_ref(new_last_node)
-        req.last_node = new_last_node
-        if new_len < committed:
-            req.prefix_indices = torch.cat([new_indices, row[new_len:committed].to(torch.int64)])
-        else:
-            req.prefix_indices = new_indices
+        if match.prefix_len != aligned:
+            raise AssertionError(f"request {req.rid!r}: re-match found {match.prefix_len} of {aligned} inserted tokens")
+        self.rebase_on_match(req, match, committed)
