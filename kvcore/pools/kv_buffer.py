@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["MHATokenToKVPool"]
@@ -32,9 +34,14 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = device
-        shape = (size + page_size, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.k_buffer, self.v_buffer = self._make_buffers()
+
+    def _make_buffers(self) -> tuple[Any, Any]:
+        """K and V, each indexable by layer; a device with another layout overrides this."""
+        shape = (self.size + self.page_size, self.head_num, self.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)]
+        return k, v
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

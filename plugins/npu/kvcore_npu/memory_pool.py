@@ -17,10 +17,12 @@ from types import ModuleType
 
 import torch
 
+from kvcore.pools import MHATokenToKVPool
+
 __all__ = ["NPUMHATokenToKVPool"]
 
 
-class NPUMHATokenToKVPool:
+class NPUMHATokenToKVPool(MHATokenToKVPool):
     """K and V of every layer in one 5-D buffer each (see the module docstring)."""
 
     def __init__(
@@ -35,35 +37,17 @@ class NPUMHATokenToKVPool:
         *,
         use_npu_ops: bool | None = None,
     ) -> None:
-        if size <= 0 or page_size <= 0 or head_num <= 0 or head_dim <= 0 or layer_num <= 0:
-            raise ValueError(
-                f"size={size}, page_size={page_size}, head_num={head_num}, head_dim={head_dim}"
-                f" and layer_num={layer_num} must all be positive"
-            )
-        if size % page_size:
-            raise ValueError(f"size={size} must be a multiple of page_size={page_size}")
-        self.size = size
-        self.page_size = page_size
-        self.dtype = dtype
-        self.head_num = head_num
-        self.head_dim = head_dim
-        self.layer_num = layer_num
-        self.device = device
-        shape = (layer_num, size // page_size + 1, page_size, head_num, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device)
         self.use_npu_ops = self.k_buffer.device.type == "npu" if use_npu_ops is None else bool(use_npu_ops)
         self._ops: ModuleType | None = None
 
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """Layer ``layer_id``'s keys, ``(pages + 1, page_size, heads, head_dim)`` (SGLang's NPU shape)."""
-        return self.k_buffer[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
-
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+    def _make_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Called after the base class checked that every size is positive.
+        if self.size % self.page_size:
+            raise ValueError(f"size={self.size} must be a multiple of page_size={self.page_size}")
+        shape = (self.layer_num, self.size // self.page_size + 1, self.page_size, self.head_num, self.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
@@ -89,5 +73,3 @@ class NPUMHATokenToKVPool:
         self.k_buffer[layer_id].view(-1, h, d)[loc] = cache_k
         self.v_buffer[layer_id].view(-1, h, d)[loc] = cache_v
 
-    def mem_usage_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_buffer, self.v_buffer))
