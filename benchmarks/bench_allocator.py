@@ -53,8 +53,8 @@ class NaiveCatAllocator:
 
 def sglang_factory() -> Callable[[int, int, str], Any] | None:
     try:
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator as SglTokenAllocator
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # type: ignore[import-not-found]
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator as SglTokenAllocator  # type: ignore[import-not-found]
     except Exception:
         return None
 
@@ -71,7 +71,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_free_alloc(alloc: Any, batch: int, iters: int, device: str, repeat: int = 3) -> float:
+def time_free_alloc(alloc: Any, batch: int, iters: int, device: str, repeat: int = 3,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
     """Microseconds per (free one batch, alloc one batch); the pool stays almost all free,
     so the free list is as long as the pool: the case a whole-list copy pays for."""
     held = [alloc.alloc(batch) for _ in range(8)]
@@ -83,12 +84,12 @@ def time_free_alloc(alloc: Any, batch: int, iters: int, device: str, repeat: int
     # Best of a few rounds: this measures the allocator, not other load on the machine.
     for _ in range(repeat):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(iters):
             alloc.free(held.pop(0))
             held.append(alloc.alloc(batch))
         sync(device)
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+        best = min(best, (clock() - t0) / iters * 1e6)
     return best
 
 
@@ -100,8 +101,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds of --iters; the best is reported")
     ap.add_argument("--sizes", default="65536,1048576,4194304", help="pool sizes in slots")
     ap.add_argument("--page-sizes", default="1,16")
+    ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
+                    help="cpu: this process's CPU time (steadier on a shared machine); wall: elapsed time; "
+                         "auto (default): cpu on the cpu device, wall elsewhere")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = ap.parse_args()
+    torch.set_num_threads(1)
+    use_cpu = args.clock == "cpu" or (args.clock == "auto" and args.device == "cpu")
+    clock = time.process_time if use_cpu else time.perf_counter
 
     sgl = sglang_factory()
     impls: dict[str, Callable[[int, int, str], Any]] = {
@@ -113,15 +120,18 @@ def main() -> None:
         for size in (int(x) for x in args.sizes.split(",")):
             row: dict[str, Any] = {"page_size": p, "pool_slots": size, "batch": args.batch}
             for name, make in impls.items():
-                us = time_free_alloc(make(size, p, args.device), args.batch, args.iters, args.device, args.repeat)
+                us = time_free_alloc(make(size, p, args.device), args.batch, args.iters, args.device, args.repeat,
+                                     clock)
                 row[f"{name}_us"] = round(us, 2)
             rows.append(row)
 
     if args.json:
-        print(json.dumps({"device": args.device, "torch": torch.__version__, "rows": rows}, indent=2))
+        print(json.dumps({"device": args.device, "torch": torch.__version__, "clock": "cpu" if use_cpu else "wall",
+                          "rows": rows}, indent=2))
         return
     names = list(impls)
-    print(f"free+alloc of {args.batch}-slot batches, us per batch (device {args.device}, torch {torch.__version__})")
+    print(f"free+alloc of {args.batch}-slot batches, us per batch (device {args.device}, torch {torch.__version__}, "
+          f"{'cpu' if use_cpu else 'wall'} time)")
     print(f"{'page':>5} {'pool slots':>11} " + " ".join(f"{n + ' us':>13}" for n in names))
     for r in rows:
         print(f"{r['page_size']:>5} {r['pool_slots']:>11} " + " ".join(f"{r[n + '_us']:>13.2f}" for n in names))

@@ -19,13 +19,14 @@ from kvcore.invariants import InvariantChecker
 from kvcore.keys import RadixKey
 from kvcore.plugins import available_backends, available_eviction_policies, plugin_failures
 from kvcore.pools import (
+    DecodeReqToTokenPool,
     MHATokenToKVPool,
     PoolView,
     ReqToTokenPool,
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from kvcore.record import Req, ReqKvInfo
+from kvcore.record import Req, ReqKvInfo, RetractionBackup
 from kvcore.release import (
     cache_unfinished_req,
     free_swa_out_of_window_slots,
@@ -44,6 +45,7 @@ __all__ = [
     "CacheInitParams",
     "ChunkCache",
     "ConfigError",
+    "DecodeReqToTokenPool",
     "DeviceUnavailable",
     "Engine",
     "EvictResult",
@@ -61,6 +63,7 @@ __all__ = [
     "Req",
     "ReqKvInfo",
     "ReqToTokenPool",
+    "RetractionBackup",
     "SWATokenToKVPoolAllocator",
     "SessionSlot",
     "SlotOwner",

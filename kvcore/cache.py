@@ -152,6 +152,19 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult: ...
 
+    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        """Give back only the window part of ``lock`` (the full lock stays), as SGLang's ``dec_swa_lock_only``.
+
+        A scheduler calls it once a request has decoded past the window
+        (``SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW``); ``dec_lock_ref(node, lock)``
+        later gives back the full side.  Windowed backends (``swa``, ``swa-chunk``) override
+        it and answer a no-op for ``node=None``; this default refuses whatever ``node`` is,
+        so asking once with ``None`` tells whether a backend supports it.
+        """
+        raise NotImplementedError(
+            f"backend {type(self).__name__} cannot release a window lock early (dec_swa_lock_only)"
+        )
+
     # -- sizes --------------------------------------------------------------
 
     def evictable_size(self) -> int:
@@ -219,6 +232,28 @@ class BasePrefixCache(ABC):
     def session_slots(self) -> list[Any]:
         """Records the cache keeps alive between requests (a streaming session's slots); none by default."""
         return []
+
+    # -- per-request state beside the token slots (retraction backups, session accounting) --
+
+    def backup_request_state(self, req: Req) -> Any:
+        """A host copy of the state ``req`` holds beside its token slots, for ``Req.offload_kv_cache``.
+
+        None (the default) when the cache keeps no such state; a recurrent-state
+        backend (mamba) overrides this and ``restore_request_state``.
+        """
+        return None
+
+    def restore_request_state(self, req: Req, state: Any) -> None:
+        """Write a ``backup_request_state`` copy into the state ``req`` holds now (``Req.load_kv_cache``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-request state to restore")
+
+    def request_state_slots(self, kv: ReqKvInfo) -> int:
+        """Slots of the cache's per-request state pool(s) the record ``kv`` holds (0 by default).
+
+        A streaming session counts what its idle slots hold with this
+        (``session_held_mamba_slots``); backends with a state pool override it.
+        """
+        return 0
 
     def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
         """Free what left the attention window for a decode batch; returns the positions released.

@@ -25,6 +25,12 @@ class ChunkCache(BasePrefixCache):
     """
 
     def __init__(self, params: CacheInitParams):
+        if params.token_to_kv_pool_allocator is None:
+            # SGLang falls back to a CPU device here; a kvcore cache frees what it is handed, so it needs its pool.
+            raise TypeError(
+                f"{type(self).__name__} needs a token_to_kv_pool_allocator (got None); "
+                "kvcore.create_cache builds the pools from the options"
+            )
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size

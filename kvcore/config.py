@@ -43,6 +43,10 @@ class CacheConfig(BaseModel):
     size: int = Field(65536, gt=0, strict=True, description="token slots in the KV pool")
     page_size: int = Field(1, gt=0, strict=True, description="tokens per page")
     max_num_reqs: int = Field(256, gt=0, strict=True, description="req_to_token rows")
+    pre_alloc_size: int = Field(
+        0, ge=0, strict=True, description="disaggregated decode: req_to_token rows for pre-allocated requests on "
+        "top of max_num_reqs (a DecodeReqToTokenPool)"
+    )
     max_context_len: int = Field(8192, gt=0, strict=True, description="row width: the longest request in tokens")
     device: str = Field(
         "cpu", description="a registered device kind, with an index where it takes one (cpu, cuda, cuda:N, "
@@ -101,8 +105,12 @@ class CacheConfig(BaseModel):
         return _device_spec(self.device)
 
     def build_req_to_token_pool(self):
-        from kvcore.pools import ReqToTokenPool
+        from kvcore.pools import DecodeReqToTokenPool, ReqToTokenPool
 
+        if self.pre_alloc_size:
+            return DecodeReqToTokenPool(
+                self.max_num_reqs, self.max_context_len, self.pre_alloc_size, device=self.torch_device()
+            )
         return ReqToTokenPool(self.max_num_reqs, self.max_context_len, device=self.torch_device())
 
     def build_allocator(self):

@@ -23,11 +23,15 @@ allocator the cache frees to::
    ``max_prefix_len``.  The matched node is locked (``inc_lock_ref``; the lock
    result is kept in ``req.lock`` so that ``dec_lock_ref`` gives exactly that
    back).  The request takes a req_to_token row, the matched slots are written at
-   ``[0, prefix_len)`` of it, and the record says the cache owns them:
-   ``cache_protected_len = kv_committed_len = kv_allocated_len = prefix_len``.
+   ``[0, prefix_len)`` of it, and ``kv_committed_len = kv_allocated_len =
+   prefix_len``.  The cache owns ``[0, cache_protected_len)``: the match result's
+   ``cache_protected_len`` where it names one, else ``prefix_len`` (SGLang's
+   ``init_next_round_input``).
    On a :class:`~kvcore.StreamingSession` a follow-up turn of a live session gets
-   the session's own record back instead (same row, same lengths; the session
-   frees the tail the new turn rewrites), and takes no second row.  When rows run
+   the session's own record back instead (same row; the session frees the tail
+   the new turn rewrites; the match names the record's own protected length, so
+   the tree's part of the shared record is never overwritten with what the
+   session reuses), and takes no second row.  When rows run
    short (after releasing idle sessions, see below) ``admit`` returns False with
    the lock dropped and nothing held.  A scheduler that wants to look at the
    prefix length before it commits (to check its memory budget) calls
@@ -44,7 +48,9 @@ allocator the cache frees to::
    ``cache_protected_len`` moves up), and, once the prompt is complete,
    ``kvcore.cache_unfinished_req(req, cache)`` as SGLang's scheduler does, so
    requests arriving while this one decodes can share its prompt
-   (``Engine(cache_prompt=False)`` leaves that to ``finish``).  A chunk cache
+   (``Engine(cache_prompt=False)`` leaves that to ``finish``).  With
+   ``Engine(prefill_aware_swa=True)`` each chunk also sets ``swa_evict_floor``
+   to its end (SGLang's scheduler, prefill-aware SWA).  A chunk cache
    frees what left the window before each later chunk
    (``cache.free_window_slots([req], [start])``, a no-op without a window).
 
@@ -72,11 +78,32 @@ Two more ways out:
 * **Abort** (``abort(req)``): everything back, nothing inserted; a request that
   runs on a session's record takes the session with it (its KV was half
   rewritten by the aborted turn).
-* **Retract** (``retract(req)``): an abort, then the record is reset for
-  recompute the way SGLang's ``reset_for_retract`` does it: a fresh record that
-  keeps only ``swa_evict_floor`` (the prefill-aware window floor), no prefix, no
-  node, no lock.  ``output_ids`` are kept (SGLang recomputes prompt and output);
-  a replaying scheduler clears them itself.
+* **Retract** (``retract(req, mode="recompute")``): an abort, then
+  ``req.reset_for_retract()`` (SGLang's): the released record is reset in place,
+  keeping ``swa_evict_floor`` (the prefill-aware window floor) and its retraction
+  backup; no prefix, node or lock; ``retraction_count`` one more.
+  ``output_ids`` are kept (SGLang recomputes prompt and output); a replaying
+  scheduler clears them itself.  ``mode="offload"`` first copies the K/V of
+  ``[0, seqlen - 1)`` and the cache's per-request state to the host
+  (``Req.offload_kv_cache`` into ``kv.retraction_backup``); ``resume(req)`` later
+  takes a row and slots again and loads it back (``Req.load_kv_cache``), so the
+  request decodes on without recomputing its prefix.
+
+**Disaggregated decode.**  A request that arrives with its KV computed by a
+prefill server: ``pre_alloc(req)`` takes a row and slots for ``fill_len =
+len(origin) + max(len(output) - 1, 0)`` positions and commits them (SGLang's
+``_pre_alloc``), returns the slots the transfer writes to; ``process_prebuilt(req)``
+once the transfer is done (the prefix goes to the cache), ``abort(req)`` if it
+failed.  With ``pre_alloc_size=N`` the cache's row pool is a
+``DecodeReqToTokenPool``: ``N`` rows for pre-allocated requests on top of
+``max_num_reqs``.
+
+**Release checks** (SGLang's): ``finish`` refuses a record with KV allocated past
+the committed length unless ``Engine(speculative=True)``; the cache keeps
+``req.effective_kv_committed_len()`` tokens (a hook: an engine that strips
+reasoning tokens from the cache reports only the prompt, and the rest is freed
+as over-allocation); ``ReqToTokenPool.alloc`` refuses a reused row that carries
+no allocated KV.
 
 **Allocation failure.**  Every allocation (``alloc_slots``, ``extend_slots``,
 ``extend``, ``alloc_decode``, ``decode``) that comes up short asks the cache to
@@ -90,6 +117,8 @@ any later step would do anyway).  What to do next (retract the newest request,
 wait) is the scheduler's choice.
 
 **Sessions.**  On a StreamingSession, ``finish`` of a turn with a ``session_id``
+saves it into its session (first cut back to ``len(origin) + req.finished_len``
+when speculative decoding overshot, SGLang's ``_trim_overshoot``) and
 marks the session idle (``idle_sessions``, least recently used first);
 admitting its next turn takes it off that list; ``end_session(sid)`` releases
 it for good (the conversation is over); ``release_idle_session(keep=sid)``
@@ -121,7 +150,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcore.keys import RadixKey
-from kvcore.record import Req, ReqKvInfo, ceil_align
+from kvcore.record import Req, ReqKvInfo, RetractionBackup, ceil_align
 from kvcore.release import cache_unfinished_req, release_kv_cache
 from kvcore.session import StreamingSession
 
@@ -164,8 +193,18 @@ class Engine:
     short, release idle sessions (least recently used first) before failing.
     ``on_evict(result)`` sees every ``make_room`` the engine asks for.
 
+    ``prefill_aware_swa``: every prefill chunk sets the record's
+    ``swa_evict_floor`` to the chunk's end (SGLang's scheduler does this for
+    each request of a prefill batch when the model runner is prefill-aware), so
+    the prompt's window slots are never freed while it decodes.
+    ``speculative``: speculative decoding may leave KV allocated past the
+    committed length at finish; without it ``finish`` refuses such a record
+    (SGLang's release assert).
+
     Counters: ``evict_calls`` (``make_room`` calls that had to evict),
-    ``session_releases``.
+    ``session_releases``, ``retractions``, ``offloaded_tokens`` /
+    ``offloaded_bytes`` (host copies made by offload retractions) and
+    ``loaded_bytes`` (copied back by ``resume``).
     """
 
     def __init__(
@@ -176,6 +215,8 @@ class Engine:
         cache_prompt: bool = True,
         release_idle_sessions: bool = True,
         on_evict: Callable[[EvictResult], None] | None = None,
+        speculative: bool = False,
+        prefill_aware_swa: bool = False,
     ) -> None:
         self._cache = cache
         self._sessions = cache if isinstance(cache, StreamingSession) else None
@@ -194,6 +235,13 @@ class Engine:
         self.idle_sessions: OrderedDict[str, None] = OrderedDict()
         self.evict_calls = 0
         self.session_releases = 0
+        # Speculative decoding may leave allocated > committed at finish; without it that is a bug.
+        self.speculative = speculative
+        self.prefill_aware_swa = prefill_aware_swa
+        self.retractions = 0
+        self.offloaded_tokens = 0
+        self.offloaded_bytes = 0
+        self.loaded_bytes = 0
 
     # ------------------------------------------------------------------ what it runs on
     @property
@@ -421,20 +469,21 @@ class Engine:
             raise ValueError(f"the match was made for {matched.req.rid!r}, not {req.rid!r}")
         m = matched
         kv = req.kv
-        if not m.restored and self._r2t.alloc([req]) is None:
-            if not (self.release_idle_sessions and self._free_a_row(req.session_id)) or self._r2t.alloc([req]) is None:
-                self.cancel(m)
-                return False
+        if not m.restored and not self._take_row(req):
+            self.cancel(m)
+            return False
         req.prefix_indices = m.result.device_indices
         req.last_node = m.node
         req.lock = m.lock
         plen = m.prefix_len
         if m.restored:
             self.idle_sessions.pop(req.session_id, None)  # type: ignore[arg-type]
-        else:
-            kv.cache_protected_len = plen
-            if plen:
-                self._r2t.write((kv.req_pool_idx, slice(0, plen)), m.result.device_indices)
+        elif plen:
+            self._r2t.write((kv.req_pool_idx, slice(0, plen)), m.result.device_indices)
+        # SGLang: the match's protected length where it names one (a session's record: the tree's part of
+        # it, not what the session reuses), else the matched length.
+        protected = m.result.cache_protected_len
+        kv.cache_protected_len = plen if protected is None else protected
         kv.kv_committed_len = kv.kv_allocated_len = plen
         return True
 
@@ -465,6 +514,8 @@ class Engine:
                 return False
         if end > kv.kv_committed_len:
             kv.kv_committed_len = end
+        if self.prefill_aware_swa:
+            kv.swa_evict_floor = end
         if chunked is None:
             chunked = end < total
         if chunked:
@@ -522,7 +573,7 @@ class Engine:
         if kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
             self._drop(req)
             return
-        release_kv_cache(req, self._cache, is_insert)
+        release_kv_cache(req, self._cache, is_insert, speculative=self.speculative)
         sid = req.session_id
         if sid is not None and self.session_is_live(sid):
             self.idle_sessions[sid] = None
@@ -545,11 +596,118 @@ class Engine:
         req.last_node = None
         req.lock = None
 
-    def retract(self, req: Req) -> None:
-        """Abort ``req`` and reset its record for recompute; ``swa_evict_floor`` is kept."""
-        floor = req.kv.swa_evict_floor
+    def retract(self, req: Req, mode: str = "recompute") -> RetractionBackup | None:
+        """Take ``req`` out of the running batch: everything back, then ``req.reset_for_retract()``.
+
+        ``mode="recompute"``: the request is admitted again later and recomputes
+        its prefix (what the tree still holds is matched).  ``mode="offload"``
+        (SGLang's decode-side retraction): first a host copy of the K/V of
+        ``[0, seqlen - 1)`` and of the cache's per-request state
+        (``Req.offload_kv_cache``) goes to ``req.kv.retraction_backup``, and
+        ``resume`` later puts it back without recomputing.  A request that has
+        not computed ``seqlen - 1`` positions yet (a chunked prefill) has nothing
+        to resume from and is retracted for recompute.  The record keeps its
+        ``swa_evict_floor`` (and the backup); returns the backup or None.
+        """
+        if mode not in ("recompute", "offload"):
+            raise ValueError(f"retract mode {mode!r}: expected 'recompute' or 'offload'")
+        kv = req.kv
+        backup = None
+        if mode == "offload" and kv.is_held and 0 < req.seqlen - 1 <= kv.kv_allocated_len:
+            backup = req.offload_kv_cache(self._r2t, self._alloc, cache=self._inner)
+            self.offloaded_tokens += backup.num_tokens
+            self.offloaded_bytes += backup.nbytes
+        floor = kv.swa_evict_floor
         self.abort(req)
-        req.kv = ReqKvInfo(swa_evict_floor=floor)
+        if req.kv is not kv:
+            # The turn ran on a session's record, which went with the session: carry what the request keeps.
+            req.kv.swa_evict_floor = floor
+        req.kv.retraction_backup = backup
+        req.reset_for_retract()
+        self.retractions += 1
+        return backup
+
+    def resume(self, req: Req) -> bool:
+        """Bring an offload-retracted request back: a row, slots for ``[0, seqlen - 1)``, the backup loaded.
+
+        As SGLang's decode side resumes a retracted request (``_pre_alloc`` then
+        ``load_kv_cache``): nothing is matched, the request then decodes on.  With
+        ``cache_prompt`` its KV goes to the cache as a finished prefill would
+        (``cache_unfinished_req``).  False, with nothing held and the backup kept,
+        when rows or slots run short.
+        """
+        kv = req.kv
+        backup = kv.retraction_backup
+        if backup is None:
+            raise ValueError(f"request {req.rid!r} has no retraction backup; admit it to recompute instead")
+        if kv.is_held:
+            raise ValueError(f"request {req.rid!r} already holds row {kv.req_pool_idx}")
+        n = req.seqlen - 1
+        if n != backup.num_tokens:
+            raise ValueError(f"request {req.rid!r}: backup of {backup.num_tokens} positions, seqlen - 1 is {n}")
+        if not self._take_row(req):
+            return False
+        kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = 0
+        if not self.extend_slots(req, n):
+            self._r2t.free(req)
+            return False
+        kv.kv_committed_len = n
+        req.load_kv_cache(self._r2t, self._alloc, cache=self._inner)
+        self.loaded_bytes += backup.nbytes
+        req.is_retracted = False
+        if self.cache_prompt:
+            cache_unfinished_req(req, self._cache)
+        return True
+
+    def _take_row(self, req: Req) -> bool:
+        """A req_to_token row for ``req`` (releasing idle sessions when short, unless told not to)."""
+        if self._r2t.alloc([req]) is not None:
+            return True
+        return (
+            self.release_idle_sessions
+            and self._free_a_row(req.session_id)
+            and self._r2t.alloc([req]) is not None
+        )
+
+    # ------------------------------------------------------------------ disaggregated decode
+    def pre_alloc(self, req: Req, *, match_prefix: bool = False) -> torch.Tensor | None:
+        """Decode side of disaggregated serving: take a row and slots before the KV arrives.
+
+        SGLang's ``DecodePreallocQueue._pre_alloc``: the request comes from a
+        prefill server with its first output token, so ``fill_len =
+        len(origin_input_ids) + max(len(output_ids) - 1, 0)`` positions are
+        allocated and committed now (the transfer fills them).  ``match_prefix``
+        (a decode-side radix cache) reuses the cached prefix and allocates only
+        the rest.  Returns the slots the transfer writes to (row positions
+        ``[prefix_len, fill_len)``), or None with nothing held when rows or slots
+        run short.  Then ``process_prebuilt(req)`` once the transfer is done, or
+        ``abort(req)`` when it failed.  On a ``DecodeReqToTokenPool`` the rows for
+        pre-allocated requests come on top of the running ones.
+        """
+        fill_len = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        if fill_len <= 0:
+            raise ValueError(f"request {req.rid!r} has no prompt to receive KV for")
+        if not self.admit(req, max_prefix_len=fill_len if match_prefix else 0):
+            return None
+        kv = req.kv
+        start = kv.kv_allocated_len
+        if not self.extend_slots(req, fill_len):
+            self.abort(req)
+            return None
+        kv.kv_committed_len = fill_len
+        return self._r2t.req_to_token[kv.req_pool_idx, start:fill_len].to(torch.int64)
+
+    def process_prebuilt(self, req: Req) -> None:
+        """The KV of a pre-allocated request arrived: it joins the running batch (SGLang's ``process_prebuilt``).
+
+        With ``cache_prompt`` the received prefix goes to the cache
+        (``cache_unfinished_req``) so later requests can share it.
+        """
+        kv = req.kv
+        if not kv.is_held or kv.kv_committed_len == 0:
+            raise ValueError(f"request {req.rid!r} was not pre-allocated (pre_alloc it first)")
+        if self.cache_prompt:
+            cache_unfinished_req(req, self._cache)
 
     def _drop(self, req: Req) -> None:
         """Unlock and give the row back: for a record that allocated nothing."""

@@ -104,6 +104,7 @@ class _Driver:
         self.ps = kwargs["page_size"]
         self.width = kwargs["max_context_len"]
         self.inner = create_cache(backend, **kwargs)
+        self.row_windowed = any(v.windowed and v.translate is None for v in self.inner.pools())
         self.cache = StreamingSession(self.inner)
         self.engine = Engine(self.cache)
         self.alloc = self.inner.token_to_kv_pool_allocator
@@ -208,7 +209,13 @@ class _Driver:
         if hi <= 0:
             return
         chain = self._chain(req, hi)
+        # Where the row's own pool is windowed (pure SWA), the window free gave the slots of
+        # [swa_dead_lo, swa_evicted_seqlen) back: the row keeps stale ids there, no K/V.
+        dead_lo = req.kv.swa_dead_lo(self.inner.page_size) if self.row_windowed else 0
+        dead_hi = req.kv.swa_evicted_seqlen if self.row_windowed else 0
         for pos, slot in enumerate(self._row(req, 0, hi)):
+            if dead_lo <= pos < dead_hi:
+                continue
             if self.shadow.get(slot) != chain[pos]:
                 raise AssertionError(
                     f"{when}: request {req.rid!r} position {pos} (slot {slot}) holds K/V of other tokens "

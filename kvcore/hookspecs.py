@@ -71,6 +71,22 @@ def kvcore_register_devices(register: Callable[..., None]) -> None:
 
 
 @hookspec
+def kvcore_register_components(register: Callable[..., None]) -> None:
+    """Register tree component kinds for the ``unified`` backend:
+    ``register(name, factory, *, options=None, description="")``.
+
+    ``factory(cache, options)`` returns a :class:`kvcore.components.TreeComponent`
+    (the module docstring of :mod:`kvcore.components` is the contract: value or
+    tombstone per node, lock scope, match validator, insert consumption, eviction
+    order, pool accounting); ``options`` is its pydantic options model
+    (``extra="forbid"``), whose fields become options of
+    ``create_cache("unified", components=(...))``.  ``full``, ``swa`` and ``mamba``
+    register through this hook too; a name registered by two distributions is
+    refused, naming both.  Every implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
 def kvcore_cache_created(cache: BasePrefixCache) -> None:
     """Called once for each cache ``create_cache`` builds, after it is built.
 

@@ -2,43 +2,179 @@
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["RadixKey", "KeyLike", "as_radix_key", "check_token_ids", "checked_key"]
+__all__ = ["RadixKey", "KeyLike", "as_radix_key", "check_token_ids", "checked_key", "token_id_list"]
 
 # A bool token id equals one of these: check_token_ids scans types only when one is present.
 _ZERO_ONE = frozenset((0, 1))
+_UNSIGNED_CODES = frozenset("BHILQ")
+_SIGNED_CODES = frozenset("bhilq")
+_INT_CODES = _UNSIGNED_CODES | _SIGNED_CODES
+_LITTLE = sys.byteorder == "little"
+# From this many ids on, numpy (when importable) rules out 0/1 faster than a set probe per id.
+_NUMPY_SCAN_FROM = 256
+try:
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy comes with torch in practice
+    _np = None  # type: ignore[assignment]
+
+
+def _signed_array_nonneg(a: array) -> bool:
+    """True when no item of a signed integer array is negative: one C pass over its high bytes."""
+    s = a.itemsize
+    raw = a.tobytes()
+    # The sign bit lives in each item's most significant byte; all of them below 0x80 <=> none negative.
+    return (raw[s - 1 :: s] if _LITTLE else raw[::s]).isascii()
+
+
+def token_id_list(token_ids: Any) -> tuple[list, bool]:
+    """``(ids as a list, already known valid)`` for any key container, converted in C (no per-token Python).
+
+    Lists are taken as they are (not copied) and must still be checked.
+    ``array`` (integer typecodes), 1-D integer numpy arrays and 1-D integer
+    tensors become lists of exact ints through ``tolist()``; their ids are known
+    valid once a sign test passes (an unsigned container needs none), so a cache
+    never scans them again.  Tuples, ranges and other sequences are copied into a
+    list and checked later.  Raises TypeError for a float, bool or multi-dim
+    container, or for something that is not a sequence of ids.
+    """
+    tp = type(token_ids)
+    if tp is list:
+        return token_ids, False
+    if tp is array:
+        code = token_ids.typecode
+        if code in _UNSIGNED_CODES:
+            return token_ids.tolist(), True
+        if code in _SIGNED_CODES:
+            return token_ids.tolist(), _signed_array_nonneg(token_ids)
+        raise TypeError(f"an array key must hold integers, got typecode {code!r}")
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.is_floating_point() or token_ids.is_complex() \
+                or token_ids.dtype == torch.bool:
+            raise TypeError(
+                "a tensor key must be a 1-D integer tensor, "
+                f"got shape {tuple(token_ids.shape)} dtype {token_ids.dtype}"
+            )
+        ids = token_ids.tolist()
+        return ids, _known_nonneg(ids, token_ids.dtype == torch.uint8)
+    if _np is not None and isinstance(token_ids, _np.ndarray):
+        kind = token_ids.dtype.kind
+        if token_ids.ndim != 1 or kind not in "iu":
+            raise TypeError(
+                f"a numpy key must be a 1-D integer array, got shape {token_ids.shape} dtype {token_ids.dtype}"
+            )
+        ids = token_ids.tolist()
+        return ids, _known_nonneg(ids, kind == "u")
+    if isinstance(token_ids, RadixKey):
+        return token_ids.token_ids, token_ids.validated
+    if isinstance(token_ids, (tuple, range)):
+        return list(token_ids), False
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise TypeError(
+            "a key must be a RadixKey, a list of token ids, an array, a 1-D integer numpy array or tensor, "
+            f"got {type(token_ids).__name__}"
+        )
+    return list(token_ids), False
+
+
+def _known_nonneg(ids: list, unsigned: bool) -> bool:
+    """Exact ints from ``tolist()``: valid unless one is negative (then the full check names it)."""
+    if unsigned or not ids:
+        return True
+    try:
+        array("Q", ids)
+    except OverflowError:
+        return False
+    return True
 
 
 class RadixKey:
     """A token-id sequence in a namespace.
 
-    Keys with different ``extra_key`` values (LoRA ids, cache salts) never share
-    a prefix.  Slicing keeps the namespace.  ``validated`` becomes True once every
-    id has been checked (by ``as_radix_key`` or a cache), so reusing one key for
+    ``token_ids`` may be given as a list (kept as is, not copied), an
+    ``array`` of integers (SGLang's own container), a 1-D integer numpy array or
+    tensor, a tuple or a range; ``key.token_ids`` is always a list (converted
+    in C).  An array is kept as given and turned into a list only when
+    ``token_ids`` is first read, so a key that a cache only compares (an insert
+    right after the match of the same tokens) is never converted.  Keys with
+    different ``extra_key`` values (LoRA ids, cache salts) never share a
+    prefix.  ``validated`` becomes True once every id is known valid (at once
+    for an unsigned array, a tensor or a numpy array; for a list when
+    ``as_radix_key`` or a cache checks it), so reusing one key for
     ``match_prefix`` and ``insert`` checks it once; a key's ids must not be
     changed in place after that.
+
+    As in SGLang, indexing gives a key: ``key[i]`` is the one-token key
+    ``key[i:i + 1]`` and a slice keeps the namespace (step 1 only); ``iter(key)``
+    and ``key.token_ids[i]`` give the ids.
     """
 
-    __slots__ = ("token_ids", "extra_key", "validated")
+    __slots__ = ("_ids", "_src", "extra_key", "validated")
 
-    def __init__(self, token_ids: Sequence[int], extra_key: str | None = None):
-        self.token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+    def __init__(self, token_ids: Any, extra_key: str | None = None):
+        self._src: array | None = None
+        if type(token_ids) is list:
+            self._ids: list | None = token_ids
+            self.validated = False
+        elif type(token_ids) is array and token_ids.typecode in _INT_CODES:
+            self._ids = None
+            self._src = token_ids
+            self.validated = token_ids.typecode in _UNSIGNED_CODES or _signed_array_nonneg(token_ids)
+        else:
+            self._ids, self.validated = token_id_list(token_ids)
         self.extra_key = extra_key
-        self.validated = False
+
+    @property
+    def token_ids(self) -> list:
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = self._src.tolist()  # type: ignore[union-attr]
+        return ids
+
+    @token_ids.setter
+    def token_ids(self, ids: list) -> None:
+        self._ids, self._src = ids, None
+
+    def same_prefix(self, other: RadixKey, n: int) -> bool:
+        """Whether the first ``n`` ids of both keys are equal (``==``), as cheaply as their containers allow.
+
+        Two arrays of one typecode compare in C without becoming lists; lists
+        holding the same token objects (slices of one ``fill_ids``) compare by
+        identity.  Namespaces are not compared.
+        """
+        a, b = self._src, other._src
+        if a is not None and b is not None and a.typecode == b.typecode:
+            return a == b if len(a) == len(b) == n else a[:n] == b[:n]
+        x, y = self.token_ids, other.token_ids
+        if x is y:
+            return True
+        return x == y if len(x) == len(y) == n else x[:n] == y[:n]
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        ids = self._ids
+        return len(self._src if ids is None else ids)  # type: ignore[arg-type]
 
-    def __getitem__(self, item):
-        if isinstance(item, slice):
-            part = RadixKey(self.token_ids[item], self.extra_key)
-            part.validated = self.validated
-            return part
-        return self.token_ids[item]
+    def __getitem__(self, item) -> RadixKey:
+        if not isinstance(item, slice):
+            n = len(self)
+            i = item.__index__()
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise IndexError(f"RadixKey index out of range: {item}")
+            item = slice(i, i + 1)
+        elif item.step not in (None, 1):
+            raise ValueError("RadixKey slice step must be 1")
+        src = self._src
+        part = RadixKey(src[item] if self._ids is None and src is not None else self.token_ids[item], self.extra_key)
+        part.validated = self.validated
+        return part
 
     def __iter__(self):
         return iter(self.token_ids)
@@ -47,60 +183,55 @@ class RadixKey:
         return (
             isinstance(other, RadixKey)
             and self.extra_key == other.extra_key
-            and self.token_ids == other.token_ids
+            and len(self) == len(other)
+            and self.same_prefix(other, len(self))
         )
 
     def __hash__(self) -> int:
         return hash((self.extra_key, tuple(self.token_ids)))
 
     def __repr__(self) -> str:
-        ids = self.token_ids if len(self.token_ids) <= 8 else f"{self.token_ids[:8]}...+{len(self.token_ids) - 8}"
+        ids = self.token_ids if len(self) <= 8 else f"{self.token_ids[:8]}...+{len(self) - 8}"
         return f"RadixKey({ids}, extra_key={self.extra_key!r})"
 
 
-KeyLike = RadixKey | Sequence[int] | torch.Tensor
+KeyLike = RadixKey | Sequence[int] | torch.Tensor | array
 
 
 def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
     """Turn a key-like value into a RadixKey, or raise naming what is wrong.
 
-    Accepts a RadixKey, a list/tuple/range of ints, or a 1-D integer tensor.
-    Token ids must be non-negative ints.
+    Accepts a RadixKey, a list/tuple/range of ints, an integer ``array``, or a
+    1-D integer numpy array or tensor (converted in C, never per token in
+    Python).  Token ids must be non-negative ints below 2**64.
     """
-    if isinstance(key, RadixKey):
-        ids = key.token_ids
+    if type(key) is RadixKey:
         result = key
     elif type(key) is list:
         # No copy: caches slice what they keep, so sharing the caller's list is safe.
-        ids = key
-        result = RadixKey(ids)
-    elif isinstance(key, torch.Tensor):
-        if key.dim() != 1 or key.is_floating_point() or key.is_complex():
-            raise TypeError(
-                f"a tensor key must be a 1-D integer tensor, got shape {tuple(key.shape)} dtype {key.dtype}"
-            )
-        ids = key.tolist()
-        result = RadixKey(ids)
-    elif isinstance(key, (list, tuple, range)):
-        ids = list(key)
-        result = RadixKey(ids)
+        result = RadixKey(key)
+    elif isinstance(key, RadixKey):
+        result = key
     else:
-        raise TypeError(
-            f"a key must be a RadixKey, a list of token ids or a 1-D integer tensor, got {type(key).__name__}"
-        )
+        result = RadixKey(key)
     if validate and not result.validated:
-        if ids:
-            check_token_ids(ids)
+        if result.token_ids:
+            check_token_ids(result.token_ids)
         result.validated = True
     return result
 
 
-def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> None:
+def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> bool:
     """Raise unless ``ids[start:]`` are non-negative ints below 2**64: the one token-id check.
 
-    Bools are ints to Python but never token ids: refused too (one more C pass,
-    about 8 ns a token, 20 more when an id equals 0 or 1; a cache built with ``strict=False`` skips it with
-    ``refuse_bools=False``).
+    Returns True when those ids are known to hold no 0 or 1 (so an equal list
+    can hold no bool either), False when that is unknown or untrue.
+
+    Bools are ints to Python but never token ids: refused too (a cache built
+    with ``strict=False`` skips that with ``refuse_bools=False``).  A bool
+    equals 0 or 1, so the type scan runs only when a 0 or 1 is present; that is
+    ruled out by a set probe per id, or for long keys by one numpy pass over
+    the converted array.
 
     ``array("Q", ...)`` converts in C and refuses floats, strings, negative and
     too-large numbers in one pass, so a valid key costs no per-token Python loop;
@@ -111,18 +242,20 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
     * ``ValueError("token id 18446744073709551616 does not fit in 64 bits")``
     """
     if start >= len(ids):
-        return
+        return True
     rest = ids[start:] if start else ids
     try:
-        array("Q", rest)
+        converted = array("Q", rest)
     except (TypeError, OverflowError, ValueError) as exc:
         error = exc
     else:
-        # A bool equals 0 or 1 (and hashes alike): a key holding neither (most tails) needs no
-        # per-token type scan, and this set probe costs about half of ``bool in map(type, rest)``.
-        if refuse_bools and not _ZERO_ONE.isdisjoint(rest) and bool in map(type, rest):
+        if not refuse_bools:
+            return False
+        if not _maybe_zero_one(rest, converted):
+            return True
+        if bool in map(type, rest):
             raise TypeError(f"token ids must be ints, got bool ({next(t for t in rest if type(t) is bool)!r})")
-        return
+        return False
     for t in rest:
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})") from None
@@ -133,10 +266,13 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
     raise TypeError(f"token ids must be non-negative ints below 2**64 ({error})") from None
 
 
+def _maybe_zero_one(rest: list, converted: array) -> bool:
+    """Whether ``rest`` may hold a 0 or 1 (so possibly a bool); False is certain."""
+    if _np is not None and len(rest) >= _NUMPY_SCAN_FROM:
+        return bool(_np.frombuffer(converted, dtype=_np.uint64).min() <= 1)
+    return not _ZERO_ONE.isdisjoint(rest)
+
+
 def checked_key(key: KeyLike) -> RadixKey:
     """``as_radix_key(key)``: a RadixKey whose ids are checked (once: the key remembers it)."""
-    rk = as_radix_key(key, validate=False)
-    if not rk.validated:
-        check_token_ids(rk.token_ids)
-        rk.validated = True
-    return rk
+    return as_radix_key(key)

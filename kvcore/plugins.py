@@ -49,6 +49,7 @@ _HOOK_NAMES = (
     "kvcore_register_backends",
     "kvcore_register_devices",
     "kvcore_register_eviction_policies",
+    "kvcore_register_components",
     "kvcore_cache_created",
 )
 

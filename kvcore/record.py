@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["ReqKvInfo", "Req", "ceil_align", "floor_align"]
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache
+
+__all__ = ["ReqKvInfo", "Req", "RetractionBackup", "ceil_align", "floor_align"]
 
 
 def ceil_align(value: int, page_size: int) -> int:
@@ -16,6 +19,38 @@ def ceil_align(value: int, page_size: int) -> int:
 
 def floor_align(value: int, page_size: int) -> int:
     return (value // page_size) * page_size
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in ``obj`` (a tensor, or lists / tuples / dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+@dataclass(slots=True)
+class RetractionBackup:
+    """A host copy of a retracted request's device KV (SGLang's ``RetractionBackup``, ``cpu_tensors`` mode).
+
+    ``num_tokens``: the row positions ``[0, num_tokens)`` it covers (``seqlen - 1``).
+    ``cpu_tensors``: the K and V of those positions, one ``(k, v)`` pair of host
+    tensors per layer, or None when the cache has no K/V buffer (bookkeeping only).
+    ``state``: what the cache keeps per request beside its token slots (a
+    recurrent state, say), from ``cache.backup_request_state``; None for most backends.
+    """
+
+    num_tokens: int
+    cpu_tensors: Any = None
+    state: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the backup moved from the device (K/V and state)."""
+        return _tensor_bytes(self.cpu_tensors) + _tensor_bytes(self.state)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -40,6 +75,8 @@ class ReqKvInfo:
     # Backend-specific per-request state (mamba slots, host buffers), keyed by the
     # backend's component name, so a session hand-over moves it with the rest.
     components: dict[str, Any] = field(default_factory=dict)
+    # Host-side KV backup the request holds across a retraction (``Req.offload_kv_cache``).
+    retraction_backup: RetractionBackup | None = None
 
     def swa_dead_lo(self, page_size: int) -> int:
         """Lowest position whose window slot this record may free itself."""
@@ -85,6 +122,14 @@ class Req:
     session_id: str | None = None
     # Feeds the ``priority`` eviction policy: what this request inserts is kept longer.
     priority: int = 0
+    # How often it was retracted (never reset, SGLang's ``retraction_count``) and whether it waits to resume.
+    retraction_count: int = 0
+    is_retracted: bool = False
+    # Outputs past this many are an overshoot (speculative decoding can pass max_new_tokens); None: all count.
+    finished_len: int | None = None
+    # Reasoning tokens generated; with ``strip_thinking_cache`` only the prompt is cached at finish (SGLang #22373).
+    reasoning_tokens: int = 0
+    strip_thinking_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.kv is None:
@@ -104,6 +149,109 @@ class Req:
         """Hand the record over (to a session slot) and leave a fresh one behind."""
         kv, self.kv = self.kv, ReqKvInfo()
         return kv
+
+    def effective_kv_committed_len(self) -> int:
+        """The committed length the cache keeps at finish; the rest is freed as over-allocation.
+
+        With ``strip_thinking_cache`` and reasoning tokens, only the prompt (SGLang #22373);
+        engines with another rule override this.
+        """
+        if self.strip_thinking_cache and self.reasoning_tokens > 0:
+            return min(self.kv.kv_committed_len, len(self.origin_input_ids))
+        return self.kv.kv_committed_len
+
+    def reset_for_retract(self) -> None:
+        """Forget the match and the committed KV after a retraction (SGLang's ``reset_for_retract``).
+
+        The record must be released first (AssertionError otherwise).  Kept: the
+        record itself with ``swa_evict_floor`` (the prefill-aware window floor) and
+        ``retraction_backup``, ``output_ids`` and ``retraction_count`` (one more).
+        Reset: ``prefix_indices``, ``last_node``, ``lock``, ``cache_protected_len``,
+        ``kv_committed_len`` and the backend components the release left behind.
+        """
+        self.retraction_count += 1
+        kv = self.kv
+        assert not kv.is_held, f"request {self.rid!r}: reset_for_retract before its KV was released"
+        self.prefix_indices = _EMPTY_INDICES
+        self.last_node = None
+        self.lock = None
+        kv.cache_protected_len = 0
+        kv.kv_committed_len = 0
+        kv.components.clear()
+        self.is_retracted = True
+
+    def _backup_positions(self, req_to_token_pool: Any, what: str) -> torch.Tensor:
+        kv = self.kv
+        if not kv.is_held:
+            raise ValueError(f"{what}: request {self.rid!r} holds no req_to_token row")
+        n = self.seqlen - 1
+        if n > kv.kv_allocated_len:
+            raise ValueError(
+                f"{what}: request {self.rid!r} has {kv.kv_allocated_len} positions allocated, needs {n} (seqlen - 1)"
+            )
+        return req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
+
+    def offload_kv_cache(
+        self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, *, cache: BasePrefixCache | None = None
+    ) -> RetractionBackup:
+        """Copy the K/V of row positions ``[0, seqlen - 1)`` (and the cache's per-request state) to the host.
+
+        The copy goes to ``kv.retraction_backup`` so that ``load_kv_cache`` can put
+        it back after the request was released and re-allocated.  The K/V comes from
+        ``cache.kv_pool`` (None: nothing to copy, the backup keeps only the length);
+        the state from ``cache.backup_request_state(req)`` (a protocol method, so a
+        recurrent-state backend adds its state without the core knowing it).
+        ``token_to_kv_pool_allocator`` is taken for SGLang's signature.
+        """
+        del token_to_kv_pool_allocator  # SGLang reads the K/V buffer through it; kvcore's lives on the cache
+        slots = self._backup_positions(req_to_token_pool, "offload_kv_cache")
+        kv_pool = cache.kv_pool if cache is not None else None
+        cpu = None
+        if kv_pool is not None:
+            # Viewed as (slots, heads, head_dim): the same read for a flat or a paged buffer layout.
+            h, d = kv_pool.head_num, kv_pool.head_dim
+            cpu = []
+            for i in range(kv_pool.layer_num):
+                k, v = kv_pool.get_kv_buffer(i)
+                at = slots.to(k.device)
+                cpu.append((k.view(-1, h, d)[at].to("cpu", copy=True), v.view(-1, h, d)[at].to("cpu", copy=True)))
+        state = cache.backup_request_state(self) if cache is not None else None
+        backup = RetractionBackup(num_tokens=int(slots.numel()), cpu_tensors=cpu, state=state)
+        self.kv.retraction_backup = backup
+        return backup
+
+    def load_kv_cache(
+        self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, *, cache: BasePrefixCache | None = None
+    ) -> RetractionBackup:
+        """Write ``kv.retraction_backup`` back into the request's (new) row slots and drop it.
+
+        The row must hold ``[0, seqlen - 1)`` again (ValueError, nothing changed,
+        when it does not or when there is no backup).
+        """
+        del token_to_kv_pool_allocator
+        backup = self.kv.retraction_backup
+        if backup is None:
+            raise ValueError(f"load_kv_cache: request {self.rid!r} has no retraction backup")
+        slots = self._backup_positions(req_to_token_pool, "load_kv_cache")
+        if int(slots.numel()) != backup.num_tokens:
+            raise ValueError(
+                f"load_kv_cache: request {self.rid!r} backed up {backup.num_tokens} positions, "
+                f"its row now covers {int(slots.numel())}"
+            )
+        kv_pool = cache.kv_pool if cache is not None else None
+        if backup.state is not None and cache is None:
+            raise ValueError(f"load_kv_cache: request {self.rid!r} backed up state; pass the cache")
+        if backup.cpu_tensors is not None:
+            if kv_pool is None:
+                raise ValueError(f"load_kv_cache: request {self.rid!r} backed up K/V but the cache has no K/V buffer")
+            for i, (k, v) in enumerate(backup.cpu_tensors):
+                dev = kv_pool.get_key_buffer(i).device
+                kv_pool.set_kv_buffer(i, slots.to(dev), k.to(dev), v.to(dev))
+        if backup.state is not None:
+            assert cache is not None
+            cache.restore_request_state(self, backup.state)
+        self.kv.retraction_backup = None
+        return backup
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, seqlen={self.seqlen}, kv={self.kv})"

@@ -30,12 +30,20 @@ def _check_released_iff_not_held(req: Req, when: str) -> None:
     )
 
 
-def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True) -> None:
+def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True, *, speculative: bool = True) -> None:
     """Finish ``req``: hand its KV to the cache, free the rest, give back its row.
 
     Frees the over-allocation past the page-aligned committed length, calls the
     cache's ``cache_finished_req`` (through its lifecycle hook), frees the row and
     marks the record released.  A request that holds nothing is left as it is.
+
+    The cache keeps ``req.effective_kv_committed_len()`` tokens (the committed
+    length, or less for an engine that strips reasoning tokens from the cache);
+    the record's committed length is lowered to it before the cache sees it.
+    ``speculative=False`` keeps SGLang's check that nothing was allocated past
+    the committed length without speculative decoding (ValueError, nothing
+    changed); :class:`kvcore.Engine` passes its own setting, the default stays
+    lenient for callers that over-allocate on purpose.
     """
     kv = req.kv
     if kv.is_held and not cache.req_to_token_pool.holds(kv):
@@ -50,6 +58,14 @@ def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True) -
         raise ValueError(
             f"request {req.rid!r}: kv_committed_len={kv.kv_committed_len} > kv_allocated_len={kv.kv_allocated_len}"
         )
+    effective = req.effective_kv_committed_len()
+    if not speculative and effective == kv.kv_committed_len and kv.kv_committed_len != kv.kv_allocated_len:
+        raise ValueError(
+            f"request {req.rid!r}: kv_committed_len={kv.kv_committed_len} != kv_allocated_len={kv.kv_allocated_len} "
+            "without speculative decoding (unexpected over-allocated KV)"
+        )
+    if effective < kv.kv_committed_len:
+        kv.kv_committed_len = effective
     committed = kv.kv_committed_len
     page_size = cache.page_size
     hook = cache.hook

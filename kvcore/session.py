@@ -194,10 +194,18 @@ class StreamingSession(BasePrefixCache):
             cache_protected_len=kv.cache_protected_len,
         )
 
-    def _free_tail(self, kv: ReqKvInfo, prefix_len: int) -> None:
-        start = ceil_align(prefix_len, self.page_size) if self.page_size > 1 else prefix_len
+    def _free_kv_aligned(self, kv: ReqKvInfo, target: int) -> None:
+        """Free ``kv``'s row from the page boundary at or above ``target`` to ``kv_allocated_len``.
+
+        Whole pages only: ``[target, ceil_align(target))`` stays with the record
+        until the session is released.
+        """
+        start = ceil_align(target, self.page_size) if self.page_size > 1 else target
         if start < kv.kv_allocated_len:
             self.free_kv_row(kv, [(start, kv.kv_allocated_len)])
+
+    def _free_tail(self, kv: ReqKvInfo, prefix_len: int) -> None:
+        self._free_kv_aligned(kv, prefix_len)
         kv.kv_allocated_len = prefix_len
         kv.kv_committed_len = min(kv.kv_committed_len, prefix_len)
         kv.swa_evicted_seqlen = min(kv.swa_evicted_seqlen, prefix_len)
@@ -238,6 +246,23 @@ class StreamingSession(BasePrefixCache):
             for s in self._idle_slots(active_pool_idxs)
         )
 
+    def session_held_req_count(self, active_pool_idxs: set[int] | None = None) -> int:
+        """req_to_token rows session slots hold (not counting slots a live request runs on)."""
+        return sum(1 for _ in self._idle_slots(active_pool_idxs))
+
+    def session_held_mamba_slots(self, active_pool_idxs: set[int] | None = None) -> int:
+        """State-pool slots session slots hold (not counting slots a live request runs on).
+
+        SGLang's name; the count comes from the backend (``request_state_slots``),
+        0 for backends without a per-request state pool.
+        """
+        inner = self.inner
+        return sum(
+            inner.request_state_slots(s.kv)
+            for s in self.slots.values()
+            if not (active_pool_idxs and s.kv.req_pool_idx in active_pool_idxs)
+        )
+
     def _idle_slots(self, active_pool_idxs: set[int] | None) -> Iterator[SessionSlot]:
         for s in self.slots.values():
             if s.kv.is_held and not (active_pool_idxs and s.kv.req_pool_idx in active_pool_idxs):
@@ -272,8 +297,31 @@ class StreamingSession(BasePrefixCache):
         is_first = existing is None
         slot = self.slots[req.session_id] = existing or SessionSlot(req.session_id)
         kv = req.kv
-        kv.kv_committed_len = min(req.seqlen, kv.kv_allocated_len)
+        finished_len = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        target = len(req.origin_input_ids) + finished_len
+        self._trim_overshoot(req, finished_len)
+        # The slot inherits the finished length (clamped to what is allocated), not the request's clock.
+        kv.kv_committed_len = min(target, kv.kv_allocated_len)
         slot.save_from_req(req, is_first=is_first)
+
+    def _trim_overshoot(self, req: Req, finished_len: int) -> None:
+        """Cut the record back to ``len(origin_input_ids) + finished_len`` (SGLang's ``_trim_overshoot``).
+
+        Speculative decoding may commit past ``max_new_tokens``; the next turn's
+        input holds only ``output_ids[:finished_len]``, so KV past that goes back
+        (from the page boundary above it) and ``output_ids`` is cut to match.  Below
+        the window cursor the target is rounded down to a page, as for a rewind.
+        """
+        kv = req.kv
+        target = len(req.origin_input_ids) + finished_len
+        page = self.page_size
+        if page > 1 and kv.swa_evicted_seqlen > target:
+            target = floor_align(target, page)
+        self._free_kv_aligned(kv, target)
+        kv.kv_allocated_len = min(kv.kv_allocated_len, target)
+        kv.kv_committed_len = min(kv.kv_committed_len, target)
+        kv.swa_evicted_seqlen = min(kv.swa_evicted_seqlen, target)
+        req.output_ids = req.output_ids[:finished_len]
 
     def _finish_inner(self, req: Req, is_insert: bool) -> None:
         hook = self.inner.hook

@@ -243,7 +243,8 @@ def test_retract_resets_the_record_and_keeps_the_floor(backend, page):
         eng.decode([r])
     old_kv = r.kv
     eng.retract(r)
-    assert r.kv is not old_kv and not r.kv.is_held and r.kv.is_released
+    # SGLang's reset_for_retract resets the released record in place.
+    assert r.kv is old_kv and not r.kv.is_held and r.kv.is_released and r.retraction_count == 1
     assert (r.kv.cache_protected_len, r.kv.kv_committed_len, r.kv.swa_evict_floor) == (0, 0, 2 * page)
     assert r.lock is None and r.last_node is None and r.prefix_indices.numel() == 0
     assert len(r.output_ids) == page  # SGLang recomputes prompt and output

@@ -85,6 +85,7 @@ def test_req_pool_shape_and_stack_rows() -> None:
     assert pool.free_rows() == [1]
     pool.free(a)
     assert a.kv.req_pool_idx is None and pool.free_rows() == [1, 2]
+    b.kv.kv_allocated_len = 4  # a reused row must carry allocated KV (SGLang's check)
     assert pool.alloc([c, b]) == [2, 3]  # b keeps its row; c takes the row freed last
     assert pool.free_rows() == [1] and pool.available_size() == 1
     assert pool.alloc([a]) == [1] and pool.available_size() == 0
@@ -99,6 +100,7 @@ def test_req_pool_alloc_short_changes_nothing() -> None:
     assert pool.alloc([b, c]) is None
     assert b.kv.req_pool_idx is None and c.kv.req_pool_idx is None
     assert pool.free_rows() == [1]
+    a.kv.kv_allocated_len = 3  # a reused row must carry allocated KV
     assert pool.alloc([a, b]) == [2, 1]  # held rows need no free row
     assert pool.alloc([]) == [] and pool.free_rows() == []
 

@@ -85,6 +85,8 @@ class PoolMachine(RuleBasedStateMachine):
             del self.ref_rows[-len(need):]
             assert [r.kv.req_pool_idx for r in need] == take
         assert got == [r.kv.req_pool_idx for r in reqs]
+        for r in need:
+            r.kv.kv_allocated_len = 1  # what the engine does next: a reused row must carry allocated KV
 
     @rule(data=st.data())
     def free_row(self, data: st.DataObject) -> None:
@@ -95,6 +97,7 @@ class PoolMachine(RuleBasedStateMachine):
                 self.rows.free(o)
             return
         self.rows.free(o)
+        o.kv.kv_allocated_len = 0
         self.ref_rows.append(row)
         assert o.kv.req_pool_idx is None
 

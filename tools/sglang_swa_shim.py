@@ -4,6 +4,7 @@
     sg = load_sglang_swa()                       # None-safe: raises ImportError without a source tree
     alloc = sg.make_allocator(size=256, size_swa=64, page_size=4)
     cache = sg.make_radix_cache(alloc, sg.make_req_to_token_pool(8, 512), page_size=4, window=8)
+    pure = sg.make_pure_radix_cache(sg.make_pure_allocator(256), sg.make_req_to_token_pool(8, 512), 1, 8)
 
 On top of the common loader this only:
 
@@ -74,6 +75,8 @@ def _lift_class(path: str, name: str, namespace: dict) -> Any:
 
 def load_sglang_swa(src: str | None = None) -> types.SimpleNamespace:
     shim = _common_shim()
+    # The pure-SWA radix cache is executed from source too (the common loader stubs what it does not list).
+    shim._REAL.add("sglang.srt.mem_cache.pure_swa_radix_cache")
     sg = shim.load_sglang(src)
     imp = importlib.import_module
     paged = imp("sglang.srt.mem_cache.allocator.paged")
@@ -103,6 +106,7 @@ def load_sglang_swa(src: str | None = None) -> types.SimpleNamespace:
     chunk = imp("sglang.srt.mem_cache.chunk_cache")
     common = imp("sglang.srt.mem_cache.common")
     swa_alloc_mod = imp("sglang.srt.mem_cache.allocator.swa")
+    pure_rc = imp("sglang.srt.mem_cache.pure_swa_radix_cache")
 
     ns: dict = {"dataclasses": dataclasses, "Optional": Optional, "torch": torch, "Any": Any}
     shim._lift(os.path.join(sg.src, "sglang", "srt", "utils", "common.py"), ["ceil_div", "ceil_align"], ns)
@@ -118,6 +122,17 @@ def load_sglang_swa(src: str | None = None) -> types.SimpleNamespace:
     def _params(alloc, rtp, page_size, window):
         return sg.CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
                                   page_size=page_size, sliding_window_size=window)
+
+    def make_pure_allocator(size: int, page_size: int = 1):
+        """SGLang's one-pool allocator of an all-SWA model (page size 1 only, as in SGLang)."""
+        return swa_alloc_mod.PureSWATokenToKVPoolAllocator(
+            size, page_size, torch.float16, "cpu", sg.make_swa_kvpool(), False)
+
+    def make_pure_radix_cache(alloc, rtp, page_size: int, window: int):
+        return pure_rc.PureSWARadixCache(_params(alloc, rtp, page_size, window))
+
+    def make_pure_chunk_cache(alloc, rtp, page_size: int, window: int):
+        return chunk.PureSWAChunkCache(_params(alloc, rtp, page_size, window))
 
     def make_radix_cache(alloc, rtp, page_size: int, window: int):
         return swa_rc.SWARadixCache(_params(alloc, rtp, page_size, window))
@@ -175,4 +190,8 @@ def load_sglang_swa(src: str | None = None) -> types.SimpleNamespace:
         make_req_to_token_pool=make_req_to_token_pool,
         make_radix_cache=make_radix_cache,
         make_chunk_cache=make_chunk_cache,
+        radix_cache=imp("sglang.srt.mem_cache.radix_cache"),
+        make_pure_allocator=make_pure_allocator,
+        make_pure_radix_cache=make_pure_radix_cache,
+        make_pure_chunk_cache=make_pure_chunk_cache,
     )

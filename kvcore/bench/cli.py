@@ -84,6 +84,53 @@ def _check_limits(size: int, swa_size: int | None, max_num_reqs: int, num_reques
         )
 
 
+_DEFAULT_SIZE = 65536
+
+
+def _resolve_model(specs: list, model: str | None, kv_budget: str | None, size: int | None, swa_size: int | None,
+                   page_size: int, ratio: float) -> tuple[str | None, list]:
+    """The model that sizes the pools (None: --size does) and each backend's sizes, checked before anything runs.
+
+    A run with a sliding-window backend (config field ``swa_size``) and neither --size nor
+    --swa-size gets the default model, so the comparison is at equal memory.
+    """
+    from kvcore.bench.sizing import DEFAULT_KV_BUDGET, DEFAULT_SWA_MODEL, get_model, parse_bytes, size_pools
+
+    if not 0 < ratio <= 1:
+        raise ValueError(f"--swa-full-tokens-ratio must lie in (0, 1], got {ratio}")
+    if model is None:
+        if kv_budget is not None:
+            raise ValueError("--kv-budget sizes pools for a --model: name one (e.g. --model gemma-3-27b)")
+        windowed = any("swa_size" in spec.config.model_fields for spec in specs)
+        if not windowed or size is not None or swa_size is not None:
+            return None, []
+        model = DEFAULT_SWA_MODEL
+    elif size is not None or swa_size is not None:
+        raise ValueError("--model sizes the pools from --kv-budget: drop --size/--swa-size, or drop --model")
+    layout = get_model(model)
+    budget = parse_bytes(kv_budget) if kv_budget is not None else DEFAULT_KV_BUDGET
+    sizes = [size_pools(layout, budget, hybrid="swa_size" in spec.config.model_fields, page_size=page_size,
+                        swa_full_tokens_ratio=ratio) for spec in specs]
+    return model, sizes
+
+
+def _line_progress(name: str):
+    """Progress for a stderr that is not a terminal: a line at once, then at most one a second, and at the end."""
+    import time
+
+    start = time.monotonic()
+    last = [-1.0]
+
+    def update(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 1.0:
+            return
+        last[0] = now
+        typer.echo(f"kvcore bench: {name}: {done:,}/{total:,} requests, {now - start:,.0f} s", err=True)
+
+    return update
+
+
 def _check_plot(plot: str) -> None:
     """Refuse a --plot target that cannot be written, before the benchmark runs."""
     import importlib.util
@@ -179,7 +226,70 @@ def bench(
             help="Also run the invariant checker every N steps (0: only at the end).",
         ),
     ] = 0,
-    size: Annotated[int, typer.Option("--size", help="Token slots in the (full) KV pool.")] = 65536,
+    size: Annotated[
+        int | None,
+        typer.Option(
+            "--size",
+            help=(
+                "Token slots in the (full) KV pool (default 65536; a run with a sliding-window backend and no "
+                "--size sizes pools from --model and --kv-budget instead)."
+            ),
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", metavar="NAME",
+            help=(
+                "Size every backend's pools from a model layout and --kv-budget, as SGLang does (presets: "
+                "gpt-oss-120b, gpt-oss-20b, gemma-3-27b, gemma-3-12b). Default for runs with a sliding-window "
+                "backend: gpt-oss-120b."
+            ),
+        ),
+    ] = None,
+    kv_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-budget", metavar="BYTES",
+            help="KV memory for --model sizing, e.g. 4GiB (default 4GiB); every backend gets the same bytes.",
+        ),
+    ] = None,
+    swa_full_tokens_ratio: Annotated[
+        float,
+        typer.Option(
+            "--swa-full-tokens-ratio",
+            help="SGLang's swa_full_tokens_ratio for --model sizing: window-pool tokens per full-pool token, (0, 1].",
+        ),
+    ] = 0.8,
+    release_window_lock: Annotated[
+        bool,
+        typer.Option(
+            "--release-window-lock",
+            help=(
+                "Give back a request's prefix window lock once it decoded past the window (SGLang's "
+                "SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW, dec_swa_lock_only)."
+            ),
+        ),
+    ] = False,
+    retract_mode: Annotated[
+        str,
+        typer.Option(
+            "--retract-mode",
+            help="recompute: a retracted request is prefilled again; offload: its KV is copied to the host and "
+            "loaded back without recompute (SGLang's decode-side retraction). The report counts the bytes.",
+        ),
+    ] = "recompute",
+    pre_alloc_size: Annotated[
+        int,
+        typer.Option(
+            "--pre-alloc-size",
+            help="pd-decode: req_to_token rows for pre-allocated requests on top of --max-num-reqs "
+            "(SGLang's DecodeReqToTokenPool).",
+        ),
+    ] = 0,
+    transfer_steps: Annotated[
+        int, typer.Option("--transfer-steps", help="pd-decode: steps a KV transfer from the prefill side takes.")
+    ] = 4,
     page_size: Annotated[
         int | None,
         typer.Option(
@@ -201,7 +311,10 @@ def bench(
             help="Prefill token budget per step (chunked prefill).",
         ),
     ] = 2048,
-    window: Annotated[int, typer.Option("--window", help="sliding_window_size for SWA backends.")] = 256,
+    window: Annotated[
+        int | None,
+        typer.Option("--window", help="sliding_window_size for SWA backends (default: the model's, else 256)."),
+    ] = None,
     swa_size: Annotated[
         int | None,
         typer.Option(
@@ -214,11 +327,11 @@ def bench(
         typer.Option(
             "--swa-interval",
             help=(
-                "Free out-of-window slots once this many tokens slid out (SGLang's SGLANG_SWA_EVICTION_INTERVAL, "
-                "128 there); 1 keeps each request within W + 2 pages."
+                "Free out-of-window slots once this many tokens slid out (SGLang's SGLANG_SWA_EVICTION_INTERVAL "
+                "and its default); 1 keeps each request within W + 2 pages."
             ),
         ),
-    ] = 1,
+    ] = 128,
     sessions: Annotated[
         bool,
         typer.Option(
@@ -264,6 +377,16 @@ def bench(
             help="Write K/V bytes into the device buffer (default: on for cuda/npu).",
         ),
     ] = None,
+    show_progress: Annotated[
+        bool | None,
+        typer.Option(
+            "--progress/--no-progress",
+            help=(
+                "Progress on stderr from the first second: a bar on a terminal, else a line a second "
+                "(default: on when stderr is a terminal and --json is not given)."
+            ),
+        ),
+    ] = None,
     topk_locality: Annotated[
         float,
         typer.Option(
@@ -292,16 +415,32 @@ def bench(
     _check_device(device)
     if page_size is None:
         page_size = _default_page_size(specs, device)
+    model, sizes = _resolve_model(specs, model, kv_budget, size, swa_size, page_size, swa_full_tokens_ratio)
+    budget = None
+    if model is not None:
+        from kvcore.bench.sizing import DEFAULT_KV_BUDGET, parse_bytes
+
+        budget = parse_bytes(kv_budget) if kv_budget is not None else DEFAULT_KV_BUDGET
     for opt, val in (("--size", size), ("--page-size", page_size), ("--max-num-reqs", max_num_reqs),
                      ("--chunk-size", chunk_size), ("--window", window), ("--swa-size", swa_size),
                      ("--swa-interval", swa_interval), ("--num-requests", num_requests)):
         _positive(opt, val)
     _positive("--check-every", check_every, allow_zero=True)
+    _positive("--pre-alloc-size", pre_alloc_size, allow_zero=True)
+    _positive("--transfer-steps", transfer_steps, allow_zero=True)
+    from kvcore.bench.lifecycle import RETRACT_MODES
+
+    if retract_mode not in RETRACT_MODES:
+        raise ValueError(f"--retract-mode {retract_mode!r}: choose one of {', '.join(RETRACT_MODES)}")
     if not 0.0 <= topk_locality <= 1.0:
         raise ValueError(f"--topk-locality must lie in [0, 1], got {topk_locality}")
     if chunk_size % page_size:
         raise ValueError(f"--chunk-size {chunk_size} is not a multiple of --page-size {page_size}")
-    _check_limits(size, swa_size, max_num_reqs, num_requests)
+    if sizes:
+        _check_limits(max(s.full for s in sizes), max((s.swa or 0 for s in sizes), default=0) or None,
+                      max_num_reqs, num_requests)
+    else:
+        _check_limits(size or _DEFAULT_SIZE, swa_size, max_num_reqs, num_requests)
     if plot is not None:
         _check_plot(plot)
 
@@ -311,9 +450,13 @@ def bench(
     from kvcore.bench import run_bench
 
     config = dict(
-        device=device, size=size, page_size=page_size, max_num_reqs=max_num_reqs, chunk_size=chunk_size,
+        device=device, size=size or _DEFAULT_SIZE, page_size=page_size, max_num_reqs=max_num_reqs,
+        chunk_size=chunk_size,
         window=window, swa_size=swa_size, swa_interval=swa_interval, sessions=sessions, check_every=check_every,
         eviction_policy=eviction_policy, write_kv=write_kv, topk_locality=topk_locality,
+        model=model, kv_budget=budget, swa_full_tokens_ratio=swa_full_tokens_ratio,
+        release_window_lock=release_window_lock, retract_mode=retract_mode, pre_alloc_size=pre_alloc_size,
+        transfer_steps=transfer_steps,
     )
     run_names = list(names)
     with_reference = False
@@ -335,7 +478,11 @@ def bench(
 
     progress = None
     bar: Any = contextlib.nullcontext()
-    if sys.stderr.isatty() and not as_json:
+    if show_progress is None:
+        show_progress = sys.stderr.isatty() and not as_json
+    if show_progress and not sys.stderr.isatty():
+        progress = _line_progress
+    elif show_progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

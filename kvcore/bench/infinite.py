@@ -66,3 +66,41 @@ class InfiniteCache:
                 child.children = {lower.key[0]: lower}
             pos += m
             node = child
+
+
+class BlockInfiniteCache:
+    """The same never-evicting cache for streamed requests, kept as a trie of block ids.
+
+    A streamed request's prompt is a chain of (block id, tokens) segments
+    (:meth:`kvcore.bench.spec.TokenRecipe.prompt_blocks`) followed by fresh tokens; equal
+    ids on equal paths hold equal tokens and fresh tokens match nothing, so the token
+    radix tree reduces to one entry per distinct block path holding the most tokens of
+    that block seen so far.  Memory follows distinct blocks (about 100 bytes per 512
+    tokens), not tokens.  It agrees with :class:`InfiniteCache` on the same tokens except
+    where two different blocks begin with the same random token (probability 1/31,999).
+    """
+
+    def __init__(self, page_size: int = 1):
+        self.page_size = page_size
+        self.nodes: dict[tuple[int, int], tuple[int, int]] = {}  # (parent node, id) -> (node, tokens seen)
+
+    def match_and_insert(self, blocks: list[tuple[int, int]], limit: int) -> int:
+        """Tokens of the prompt (at most ``limit``, page-aligned) already seen; then the prompt is inserted."""
+        nodes = self.nodes
+        parent = 0
+        hit = 0
+        matching = True
+        for h, n in blocks:
+            entry = nodes.get((parent, h))
+            if entry is None:
+                node, seen = len(nodes) + 1, 0
+            else:
+                node, seen = entry
+            if matching:
+                hit += min(seen, n)
+                matching = seen >= n
+            if n > seen:
+                nodes[(parent, h)] = (node, n)
+            parent = node
+        hit = min(hit, limit)
+        return hit - hit % self.page_size

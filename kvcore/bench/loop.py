@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from kvcore.bench.infinite import InfiniteCache
+from kvcore.bench.infinite import BlockInfiniteCache, InfiniteCache
+from kvcore.bench.lifecycle import PdDecode, resume_retracted, retract_job
 from kvcore.bench.metrics import Metrics, RunResult
-from kvcore.bench.spec import RequestSpec, Workload
+from kvcore.bench.spec import RequestSpec, Workload, token_list
 from kvcore.bench.timer import Stopwatch
 from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation, KvcoreError
-from kvcore.record import Req, ReqKvInfo, ceil_align
+from kvcore.record import Req, ceil_align
 
 __all__ = [
     "BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache", "cache_options",
@@ -52,9 +53,9 @@ class BenchConfig:
     page_size: int = 1
     max_num_reqs: int = 128
     chunk_size: int = 2048
-    window: int = 256
+    window: int | None = None  # None: the model's window (with a model), else 256
     swa_size: int | None = None
-    swa_interval: int = 1
+    swa_interval: int = 128  # SGLang's SGLANG_SWA_EVICTION_INTERVAL default
     sessions: bool = True
     check_every: int = 0
     write_kv: bool | None = None  # None: on for cuda/npu, off for cpu
@@ -63,6 +64,14 @@ class BenchConfig:
     kv_head_dim: int = 128
     eviction_policy: str | None = None
     topk_locality: float = 0.5  # sparse decode: share of each step's top-k that is the most recent tokens
+    # Memory-budget sizing (kvcore.bench.sizing): with a model, size/swa_size/window come from it and kv_budget.
+    model: str | None = None
+    kv_budget: int | None = None  # bytes
+    swa_full_tokens_ratio: float = 0.8
+    release_window_lock: bool = False  # SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW
+    retract_mode: str = "recompute"  # or "offload": a host copy of the KV, resumed without recompute
+    pre_alloc_size: int = 0  # pd-decode: rows for pre-allocated requests on top of max_num_reqs
+    transfer_steps: int = 4  # pd-decode: steps a KV transfer from the prefill server takes
 
 
 def config_fields(backend: str) -> set[str]:
@@ -75,19 +84,31 @@ def config_fields(backend: str) -> set[str]:
 def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
     """The create_cache options for ``cfg``: bench options go only to backends whose config has the field."""
     fields = config_fields(cfg.backend)
+    size, swa_size, window = cfg.size, cfg.swa_size, cfg.window
+    if cfg.model is not None:
+        from kvcore.bench.sizing import DEFAULT_KV_BUDGET, get_model, size_pools
+
+        model = get_model(cfg.model)
+        sizes = size_pools(model, cfg.kv_budget or DEFAULT_KV_BUDGET, hybrid="swa_size" in fields,
+                           page_size=cfg.page_size, swa_full_tokens_ratio=cfg.swa_full_tokens_ratio)
+        size, swa_size, window = sizes.full, sizes.swa, model.window if cfg.window is None else cfg.window
+    elif window is None:
+        window = 256
     opts: dict[str, Any] = dict(
-        size=cfg.size,
+        size=size,
         page_size=cfg.page_size,
         max_num_reqs=cfg.max_num_reqs,
         max_context_len=ceil_align(max(max_context_len, 1), cfg.page_size),
         device=cfg.device,
     )
     if "sliding_window_size" in fields:
-        opts["sliding_window_size"] = cfg.window
+        opts["sliding_window_size"] = window
     if "swa_size" in fields:
-        opts["swa_size"] = cfg.swa_size if cfg.swa_size is not None else cfg.size
+        opts["swa_size"] = swa_size if swa_size is not None else size
     if cfg.eviction_policy is not None and "eviction_policy" in fields:
         opts["eviction_policy"] = cfg.eviction_policy
+    if cfg.pre_alloc_size:
+        opts["pre_alloc_size"] = cfg.pre_alloc_size
     if _write_kv(cfg):
         opts["kv_buffer"] = {"num_layers": cfg.kv_layers, "num_heads": cfg.kv_heads, "head_dim": cfg.kv_head_dim}
     return opts
@@ -109,17 +130,28 @@ class _Job:
     """A request in the loop.  While decoding, its length is ``off + G`` (G: decode rounds so far),
     so per-token bookkeeping is written into the record lazily (``_sync``) before anyone reads it."""
 
-    __slots__ = ("spec", "req", "seq", "prefix_len", "admitted", "off", "end_g", "gen")
+    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "off", "end_g", "gen")
 
     def __init__(self, spec: RequestSpec, seq: int):
         self.spec = spec
-        self.req = Req(spec.rid, spec.prompt, session_id=spec.session_id)
+        self._req: Req | None = None
         self.seq = seq
         self.prefix_len = -1
         self.admitted = False
         self.off = 0
         self.end_g = 0
         self.gen = 0  # bumped when the job leaves the running set; stale heap entries are skipped
+
+    @property
+    def req(self) -> Req:
+        """The request record, made when the scheduler first tries to admit the job: a streamed (trace)
+        request makes its tokens then, so a queue of waiting requests holds none."""
+        req = self._req
+        if req is None:
+            spec = self.spec
+            spec.materialise()
+            req = self._req = Req(spec.rid, token_list(spec.prompt), session_id=spec.session_id)
+        return req
 
 
 class _Loop:
@@ -159,6 +191,8 @@ class _Loop:
                                      layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
         self.engine = Engine(self.cache, kv_writer=self.kv, release_idle_sessions=False,
                              on_evict=self.metrics.count_evict)
+        # --workload pd-decode: requests arrive as KV transfers (kvcore.bench.lifecycle).
+        self.pd = PdDecode(self, cfg.transfer_steps) if workload.params.get("pd_decode") else None
         # A sparse-attention backend reads a top-k selection of the context each decode step.
         self.sparse = cache if cache.sparse_top_k() > 0 else None
         if self.sparse is not None:
@@ -167,6 +201,15 @@ class _Loop:
             self.selector = TopKSelector(cache.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
         self.idle_sessions = self.engine.idle_sessions
         self.r2t = cache.req_to_token_pool
+        # SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: once a request decoded past the window, its
+        # prefix's window lock goes back (dec_swa_lock_only).  A backend without a window has none to release.
+        self.release_lock = bool(cfg.release_window_lock and self.windowed)
+        if self.release_lock:
+            try:
+                cache.dec_swa_lock_only(None)
+            except NotImplementedError as exc:
+                raise ValueError(f"--release-window-lock: {exc}") from None
+        self.lock_heap: list[tuple[int, int, int, _Job]] = []  # (G at which to release, seq, gen, job)
         self._check_fits()
         # scheduler state
         self.step = 0
@@ -269,8 +312,9 @@ class _Loop:
         sid = req.session_id
         if rows_only and not (sid is not None and sid in self.idle_sessions):
             return "rows"
-        # A waiting request never owns anything; a session restore shares the slot's record.
-        req.kv = ReqKvInfo()
+        if req.kv.retraction_backup is not None:
+            return resume_retracted(self, job)  # --retract-mode offload: back without recompute
+        # A waiting request holds nothing (a retracted one keeps its record: reset_for_retract kept its floor).
         req.last_node = None
         req.lock = None
         prompt = req.origin_input_ids
@@ -302,15 +346,14 @@ class _Loop:
 
     def _unadmit(self, job: _Job) -> None:
         """Undo an admission (or retract): everything back, nothing cached, the request reset for recompute."""
-        req = job.req
-        with self.bt:
-            self.engine.retract(req)
-        req.output_ids = []
+        retract_job(self, job)  # --retract-mode: recompute (outputs replayed) or offload
         job.admitted = False
         if self.chunked is job:
             self.chunked = None
 
     def _prefill(self) -> int:
+        if self.pd is not None:
+            return self.pd.prefill()
         budget = self.cfg.chunk_size
         used = 0
         job = self.chunked
@@ -351,12 +394,14 @@ class _Loop:
         kv = job.req.kv
         g = self.G
         job.off = kv.kv_allocated_len - g
-        job.end_g = g + len(job.spec.output) - len(job.req.output_ids)
+        job.end_g = g + job.spec.output_len - len(job.req.output_ids)
         self.running.append(job)
         self.sum_end += job.end_g
         heapq.heappush(self.finish_heap, (job.end_g, job.seq, job.gen, job))
         if self.windowed:
             self._push_window(job)
+        if self.release_lock:
+            heapq.heappush(self.lock_heap, (g + self.window, job.seq, job.gen, job))
         self._dirty = True
 
     def _push_window(self, job: _Job, after: bool = False) -> None:
@@ -379,7 +424,7 @@ class _Loop:
         kv.kv_allocated_len = kv.kv_committed_len = length
         # Copying the outputs costs O(length): the window path, which needs only the lengths, skips it.
         if outputs and len(req.output_ids) != length - len(req.origin_input_ids):
-            req.output_ids = job.spec.output[: length - len(req.origin_input_ids)]
+            req.output_ids = token_list(job.spec.output[: length - len(req.origin_input_ids)])
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._dirty or self._rows_t is None or self._off_t is None or self._off_cpu is None:
@@ -429,11 +474,26 @@ class _Loop:
         if due:
             self.metrics.window_held(held + self.cfg.swa_interval)
 
+    def _release_window_locks(self) -> None:
+        """Give back the window part of the prefix lock of every request that decoded ``window`` tokens."""
+        heap = self.lock_heap
+        backend = self.backend
+        while heap and heap[0][0] <= self.G:
+            _, _, gen, job = heapq.heappop(heap)
+            req = job.req
+            if gen != job.gen or req.lock is None or req.last_node is None:
+                continue
+            with self.bt:
+                backend.dec_swa_lock_only(req.last_node, req.lock)
+            self.res.window_lock_releases += 1
+
     def _decode(self) -> int:
         if not self.running:
             return 0
         if self.windowed and self.window_heap and self.window_heap[0][0] <= self.G:
             self._free_window()
+        if self.lock_heap and self.lock_heap[0][0] <= self.G:
+            self._release_window_locks()
         engine = self.engine
         while True:
             n = len(self.running)
@@ -452,6 +512,8 @@ class _Loop:
             if not self._release_idle_session():
                 self._retract_newest()
         self.G += 1
+        if n > self.res.running_peak:
+            self.res.running_peak = n
         if self.sparse is not None:
             self._sparse_step(slots)
         self.metrics.sample(self.step)
@@ -495,7 +557,8 @@ class _Loop:
                     with self.bt:
                         engine.end_session(sid)
             self.finished += 1
-            self.metrics.request_done(len(spec.prompt), job.prefix_len)
+            self.metrics.request_done(spec.prompt_len, job.prefix_len)
+            spec.release()  # a streamed request's tokens go with it (the tree keeps what it cached)
 
     def _order(self) -> int:
         self.seq += 1
@@ -508,6 +571,8 @@ class _Loop:
         owners = [j.req for j in self.running]
         if self.chunked is not None:
             owners.append(self.chunked.req)
+        if self.pd is not None:
+            owners += self.pd.owners()
         return owners
 
     def _check(self) -> None:
@@ -542,6 +607,8 @@ class _Loop:
         sync = self.dev.type != "cpu"
         check_every = self.cfg.check_every
         idle_rounds = 0
+        if self.progress is not None:
+            self.progress(0, total)
         t_start = pc()
         while self.finished < total:
             step = self.step
@@ -551,7 +618,7 @@ class _Loop:
                 nxt += 1
             while self.later and self.later[0][0] <= step:
                 self.waiting.append(_Job(heapq.heappop(self.later)[2], self._order()))
-            if not self.waiting and not self.running and self.chunked is None:
+            if not self.waiting and not self.running and self.chunked is None and not (self.pd and self.pd.in_flight):
                 # Idle: jump to the next arrival without counting a step.
                 upcoming = [firsts[nxt].arrival] if nxt < len(firsts) else []
                 if self.later:
@@ -569,7 +636,7 @@ class _Loop:
                 idle_rounds += 1
                 if not self._release_idle_session() and idle_rounds > 2:
                     head = self.waiting[0].spec if self.waiting else None
-                    what = f"request {head.rid!r} ({len(head.prompt)} prompt tokens)" if head else "the loop"
+                    what = f"request {head.rid!r} ({head.prompt_len} prompt tokens)" if head else "the loop"
                     caps = ", ".join(f"{k} {v}" for k, v in self.metrics.capacities.items())
                     raise BenchStalled(
                         f"{self.cfg.backend}: {what} cannot be admitted: the pools "
@@ -608,13 +675,26 @@ class _Loop:
         self.chunked = None
         self._check()
         res.timeline = self.metrics.tl
-        inf = InfiniteCache(self.ps)
-        hits = 0
-        for s in self.workload.requests:
-            hits += inf.match(s.prompt, len(s.prompt) - 1)
-            inf.insert(s.prompt + s.output)
-        res.infinite_cached_tokens = hits
+        res.infinite_cached_tokens = infinite_cache_hits(self.workload, self.ps)
         return res
+
+
+def infinite_cache_hits(workload: Workload, page_size: int) -> int:
+    """Prompt tokens a never-evicting cache would match over ``workload`` in arrival order."""
+    hits = 0
+    if any(s.recipe is not None for s in workload.requests):
+        blocks = BlockInfiniteCache(page_size)
+        for s in workload.requests:
+            if s.recipe is None:
+                raise ValueError(f"request {s.rid!r}: a workload mixes streamed and generated requests")
+            hits += blocks.match_and_insert(s.recipe.prompt_blocks(), s.prompt_len - 1)
+        return hits
+    inf = InfiniteCache(page_size)
+    for s in workload.requests:
+        prompt = list(s.prompt)
+        hits += inf.match(prompt, len(prompt) - 1)
+        inf.insert(prompt + list(s.output))
+    return hits
 
 
 def run_workload(cfg: BenchConfig, workload: Workload, progress: Callable[[int, int], None] | None = None) -> RunResult:

@@ -27,6 +27,15 @@ class RunResult:
     swa_evictions: int = 0
     evict_calls: int = 0
     session_releases: int = 0
+    # --retract-mode offload: bytes / positions copied to the host at retraction, positions loaded back
+    retract_offload_bytes: int = 0
+    retract_offload_tokens: int = 0
+    retract_loaded_tokens: int = 0
+    # --workload pd-decode: requests pre-allocated, and the steps they waited for it (the prefill side blocked)
+    pd_preallocated: int = 0
+    pd_wait_steps: int = 0
+    window_lock_releases: int = 0  # --release-window-lock: prefix window locks given back after the window
+    running_peak: int = 0  # the most requests decoding at once
     wall_s: float = 0.0
     backend_s: float = 0.0
     kv_write_s: float = 0.0

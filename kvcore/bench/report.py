@@ -7,6 +7,7 @@ from typing import Any
 
 from kvcore.bench.loop import BenchConfig
 from kvcore.bench.metrics import RunResult
+from kvcore.bench.sizing import DEFAULT_KV_BUDGET
 from kvcore.bench.spec import Workload
 
 __all__ = ["SCHEMA_VERSION", "make_report", "render_table"]
@@ -42,8 +43,16 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
         "infinite_cache_hit_rate": res.infinite_cached_tokens / prompt if prompt else 0.0,
         "pools": res.pools,
         "window_per_request_peak": res.window_per_request_peak,
-        "window_bound": res.window_size + 2 * cfg.page_size if res.window_size is not None else None,
+        "window_bound": (res.window_size + cfg.swa_interval - 1 + 2 * cfg.page_size
+                         if res.window_size is not None else None),
+        "running_peak": res.running_peak,
         "retractions": res.retractions,
+        "retract_mode": cfg.retract_mode,
+        "retract_offload_bytes": res.retract_offload_bytes,
+        "retract_offload_tokens": res.retract_offload_tokens,
+        "retract_loaded_tokens": res.retract_loaded_tokens,
+        "pd_preallocated": res.pd_preallocated,
+        "pd_wait_steps_mean": res.pd_wait_steps / res.pd_preallocated if res.pd_preallocated else None,
         "evictions": res.evictions,
         "swa_evictions": res.swa_evictions,
         "evict_calls": res.evict_calls,
@@ -54,6 +63,8 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
         "loop_overhead_s": max(0.0, res.wall_s - res.backend_s - res.kv_write_s),
         "kv_write_s": res.kv_write_s,
         "kv_bytes_written": res.kv_bytes_written,
+        "tokens_per_step": tokens / res.steps if res.steps else 0.0,
+        "window_lock_releases": res.window_lock_releases,
         "requests_per_s": len(workload.requests) / wall,
         "tokens_per_s": tokens / wall,
         "step_p50_us": _pct(res.step_us, 0.50),
@@ -66,7 +77,10 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
         "invariant_violations": res.invariant_violations,
         "violations": list(res.violations),
         "options": {k: v for k, v in res.options.items() if k != "kv_buffer"}
-        | {"chunk_size": cfg.chunk_size, "sessions": cfg.sessions, "swa_interval": cfg.swa_interval},
+        | {"chunk_size": cfg.chunk_size, "sessions": cfg.sessions, "swa_interval": cfg.swa_interval,
+           "model": cfg.model, "kv_budget": (cfg.kv_budget or DEFAULT_KV_BUDGET) if cfg.model else None,
+           "swa_full_tokens_ratio": cfg.swa_full_tokens_ratio if cfg.model else None,
+           "release_window_lock": cfg.release_window_lock},
         "workload_params": workload.params,
     }
 
@@ -99,10 +113,15 @@ _HEAD = [
 ]
 _TAIL = [
     ("window slots per decoding request (peak)", lambda r: r["window_per_request_peak"], "{:,}", None),
-    ("  bound: W + 2 pages", lambda r: r["window_bound"], "{:,}", None),
+    ("  bound: W + interval - 1 + 2 pages", lambda r: r["window_bound"], "{:,}", None),
+    ("running requests (peak)", lambda r: r["running_peak"], "{:,}", True),
     ("retractions", lambda r: r["retractions"], "{:,}", False),
+    ("  offloaded to host (bytes)", lambda r: r.get("retract_offload_bytes") or None, "{:,}", None),
+    ("  positions resumed without recompute", lambda r: r.get("retract_loaded_tokens") or None, "{:,}", True),
+    ("pd: steps until pre-allocated (mean)", lambda r: r.get("pd_wait_steps_mean"), "{:,.1f}", False),
     ("evicted slots", lambda r: r["evictions"], "{:,}", False),
     ("steps", lambda r: r["steps"], "{:,}", False),
+    ("tokens per step (simulated throughput)", lambda r: r["tokens_per_step"], "{:,.0f}", True),
     ("wall s", lambda r: r["wall_s"], "{:.2f}", False),
     ("backend s", lambda r: r["backend_s"], "{:.2f}", False),
     ("loop overhead s", lambda r: r["loop_overhead_s"], "{:.2f}", False),
@@ -169,6 +188,10 @@ def render_table(reports: list[dict], title: str | None = None):
             f"kvcore bench: {first['workload']} workload, {first['num_requests']} requests, seed {first['seed']}, "
             f"device {first['device']} (digest {first['workload_digest'][:12]})"
         )
+        opts = first.get("options", {})
+        if opts.get("model"):
+            title += (f"; pools sized for {opts['model']} in {opts['kv_budget'] / 2**30:.3g} GiB of KV "
+                      f"(swa_full_tokens_ratio {opts['swa_full_tokens_ratio']})")
     table = Table(title=title)
     table.add_column("metric")
     for r in reports:

@@ -177,6 +177,15 @@ def _long_decode(n: int, seed: int) -> Workload:
 
 
 @register_workload(
+    "pd-decode", 200,
+    "the decode side of disaggregated serving: prompts of 256-1024 tokens arrive as KV transfers (4 steps each), "
+    "outputs 64-256, 2 arrivals/step; `--pre-alloc-size N` gives pre-allocation rows on top of --max-num-reqs",
+)
+def _pd_decode(n: int, seed: int) -> Workload:
+    return _unrelated("pd-decode", dict(prompt=(256, 1024), output=(64, 256), rate=2.0, pd_decode=True), n, seed)
+
+
+@register_workload(
     "sparse-decode", 8,
     "long contexts of 8K-32K tokens, outputs 128-256, 1 arrival/step; every decode step reads a seeded top-k "
     "selection per request (`--topk-locality`: 0 uniform over the context, 1 only the most recent tokens)",

@@ -108,6 +108,7 @@ class TokenToKVPoolAllocator:
         self.size = size
         self.page_size = page_size
         self.device = device
+        self._torch_device = torch.device(device)
         self.num_pages = size // page_size
         self._ring = torch.empty(self.num_pages, dtype=torch.int64, device=device)
         # Per page id: 1 when free, 0 when handed out (page 0 never is free).
@@ -188,11 +189,24 @@ class TokenToKVPoolAllocator:
     def _expand(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:
             return pages
-        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+        # offsets + page_size * page, in one fused op (a multiply and an add cost two).
+        return torch.add(self._offsets, pages[:, None], alpha=self.page_size).reshape(-1)
+
+    def _page_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """The page of every slot (a shift when page_size is a power of two)."""
+        shift = self._page_shift
+        if shift == 0:
+            return slots
+        if shift > 0:
+            return slots >> shift
+        return torch.div(slots, self.page_size, rounding_mode="floor")
 
     # ---- validation --------------------------------------------------------
 
     def _as_slots(self, indices: Any) -> torch.Tensor:
+        if type(indices) is torch.Tensor and indices.dtype is torch.int64 and indices.dim() == 1 \
+                and indices.device == self._torch_device:
+            return indices  # the common case: a slot tensor of this pool (one .to() call costs as much)
         if not isinstance(indices, torch.Tensor):
             indices = list(indices)
             if not indices:
@@ -207,10 +221,15 @@ class TokenToKVPoolAllocator:
 
         With ``commit`` the pages are also marked free (the caller then pushes them).
         """
-        self._check_range(slots)
-        p = self.page_size
+        if self.page_size == 1:
+            self._check_range(slots)
+            return self._checked_page_ids(slots, commit)
         # Several slots of one page in one call are normal when paged; SGLang frees unique pages.
-        pages = slots if p == 1 else torch.unique(slots // p)
+        # They come sorted, so the first and last bound them all: no separate min/max pass.
+        pages = torch.unique(self._page_ids(slots))
+        lo, hi = pages[0].item(), pages[-1].item()
+        if lo < 1 or hi > self.num_pages:
+            self._check_range(slots)  # raises, naming the slot
         return self._checked_page_ids(pages, commit)
 
     def _check_range(self, slots: torch.Tensor) -> None:
@@ -225,12 +244,13 @@ class TokenToKVPoolAllocator:
         """Check (and with ``commit`` mark free) page ids, kept in the given order."""
         k = pages.numel()
         cnt = self._free_cnt
+        ones = self._ones[:k]
         # After adding one per page every count must be exactly 1: a 2 is a double free
         # or a page named twice, found in O(k) without sorting.
-        cnt.index_add_(0, pages, self._ones[:k])
-        ok = int(cnt[pages].sum()) == k
+        cnt.index_add_(0, pages, ones)
+        ok = torch.equal(cnt.index_select(0, pages), ones)
         if not ok or not commit:
-            cnt.index_add_(0, pages, self._ones[:k], alpha=-1)
+            cnt.index_add_(0, pages, ones, alpha=-1)
         if not ok:
             self._raise_bad(pages)
         return pages
@@ -279,20 +299,19 @@ class TokenToKVPoolAllocator:
         k = slots.numel()
         if k == 0:
             return
-        owned, _ = self._owner_map()
+        owned = self._owned
+        if owned is None:
+            owned = self._owner_map()[0]
         if k > owned.numel():  # more slots than the pool has: some are bad or named twice
             self._raise_unclaimable(slots, what)
-        shift = self._page_shift
-        pages = slots if shift == 0 else (
-            slots.bitwise_right_shift(shift) if shift > 0 else torch.div(slots, self.page_size, rounding_mode="floor")
-        )
         try:
             # Bounds-checked (negative ids too) before anything is written: the page table
             # covers exactly the slot range, padding page included.
-            free = self._free_cnt.index_select(0, pages)
+            free = self._free_cnt.index_select(0, self._page_ids(slots))
         except IndexError:
             self._raise_unclaimable(slots, what)
-        ones, zeros = self._ones_zeros(k)
+        views = self._views.get(k)
+        ones, zeros = views if views is not None else self._ones_zeros(k)
         owned.index_add_(0, slots, ones)
         # After the add every count is 1 iff each slot was named once, not owned before and
         # not padding; every page is handed out iff its free count is 0.
@@ -370,6 +389,15 @@ class TokenToKVPoolAllocator:
             self._group.append(slots.clone())
             return
         self._push(self._checked_pages(slots, commit=True))
+
+    def _push_owned_pages(self, pages: torch.Tensor) -> None:
+        """Return distinct pages known to be handed out, without the double-free check.
+
+        For a pool whose pages are only ever reached through another pool's checked slots
+        (the window side of ``SWATokenToKVPoolAllocator``): the check there already covers them.
+        """
+        self._free_cnt.index_fill_(0, pages, 1)
+        self._push(pages)
 
     def _segment_pages(self, free_index: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Page ids of row positions ``[start_pos, start_pos + n)``, in row order (SGLang's stride picks)."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReqToTokenPool"]
+__all__ = ["ReqToTokenPool", "DecodeReqToTokenPool"]
 
 
 def _name(owner: Any) -> str:
@@ -52,17 +52,32 @@ class ReqToTokenPool:
     def write(self, indices: Any, values: Any) -> None:
         self.req_to_token[indices] = values
 
+    def _take(self, n: int) -> list[int]:
+        """``n`` free rows off the free list (its tail: a stack)."""
+        rows = self._free[-n:]
+        del self._free[-n:]
+        return rows
+
     def alloc(self, reqs: Sequence[Any]) -> list[int] | None:
+        """A row for every record in ``reqs`` that holds none; None (nothing taken) when rows run short.
+
+        A record that already holds a row keeps it, and must carry allocated KV
+        (SGLang's check: ValueError, nothing taken, when it does not).
+        """
         need: dict[int, Any] = {}
         for r in reqs:
             if r.kv.req_pool_idx is None:
                 # The same record listed twice must still get one row.
                 need.setdefault(id(r.kv), r.kv)
+            elif r.kv.kv_allocated_len <= 0:
+                raise ValueError(
+                    f"{_name(r)} reuses row {r.kv.req_pool_idx}, which carries no allocated KV "
+                    "(a reused row must carry allocated KV)"
+                )
         if len(need) > len(self._free):
             return None
         if need:
-            rows = self._free[-len(need):]
-            del self._free[-len(need):]
+            rows = self._take(len(need))
             for kv, row in zip(need.values(), rows):
                 self._is_free[row] = False
                 self._holder[row] = kv
@@ -83,3 +98,38 @@ class ReqToTokenPool:
         self._holder[row] = None
         self._free.append(row)
         owner.kv.req_pool_idx = None
+
+
+class DecodeReqToTokenPool(ReqToTokenPool):
+    """The decode side of disaggregated serving (SGLang's ``disaggregation.decode.DecodeReqToTokenPool``).
+
+    ``size`` rows for running requests plus ``pre_alloc_size`` rows for requests
+    pre-allocated while their KV is still being transferred from a prefill
+    server, so that pre-allocation (which unblocks the prefill side) does not wait
+    for a running request to finish.  The scheduler keeps ``#running <=
+    running_size``; the pool hands out any of its rows.  As in SGLang, rows are
+    taken from the head of the free list and freed rows go to its tail (a queue,
+    where ``ReqToTokenPool`` is a stack).
+
+    Difference from SGLang: ``size`` is every row the table holds (``size +
+    pre_alloc_size`` of the constructor, what the invariant checker and the bench
+    count for every pool); SGLang's ``size`` (the running rows) is ``running_size``.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        pre_alloc_size: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if size <= 0 or pre_alloc_size < 0:
+            raise ValueError(f"size={size} must be positive and pre_alloc_size={pre_alloc_size} not negative")
+        super().__init__(size + pre_alloc_size, max_context_len, device)
+        self.running_size = size
+        self.pre_alloc_size = pre_alloc_size
+
+    def _take(self, n: int) -> list[int]:
+        rows = self._free[:n]
+        del self._free[:n]
+        return rows

@@ -165,8 +165,10 @@ class SWATokenToKVPoolAllocator:
             full._checked_pages(slots)
             self._group.append(slots.clone())
             return
+        # The full side checks range and double frees; the window slots are then the ones
+        # this allocator mapped to those full slots, so they need no second check.
         full.free(slots)
-        self.free_swa(slots)
+        self._free_mapped_window(slots)
 
     def free_segments(self, segments: Sequence[tuple[Any, int]]) -> None:
         """Free ascending ``(slots, start_pos)`` pieces of one row, each as a ``free``.
@@ -242,6 +244,18 @@ class SWATokenToKVPoolAllocator:
         else:
             self.swa_attn_allocator.free(swa)
         # Cleared only after the free succeeded, so an error changes nothing.
+        self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
+
+    def _free_mapped_window(self, slots: torch.Tensor) -> None:
+        """Window side of full ``slots`` that the full side has just checked and freed."""
+        p = self.page_size
+        if p > 1:
+            slots = self.full_attn_allocator._expand(torch.unique(self.full_attn_allocator._page_ids(slots)))
+        swa = self.full_to_swa_index_mapping[slots]
+        swa = swa[swa > 0]
+        if swa.numel():
+            window = self.swa_attn_allocator
+            window._push_owned_pages(swa if p == 1 else torch.unique(window._page_ids(swa)))
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def free_group_begin(self) -> None:

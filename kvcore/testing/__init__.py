@@ -32,7 +32,7 @@ Hypothesis budgets follow ``KVCORE_HYPOTHESIS_PROFILE`` (``dev`` by default,
 ``KVCORE_HYPOTHESIS_PROFILE=long pytest -k state_machine``.
 
 The engine-protocol helpers (``make_req``, ``admit``, ``prefill``, ``decode``,
-``finish``, ``abort``, ``retract``, ``run_request``, ``alloc_slots``,
+``finish``, ``abort``, ``retract``, ``resume``, ``run_request``, ``alloc_slots``,
 ``extend_slots``) are one-call wrappers over :class:`kvcore.engine.Engine`,
 reusable by other suites and benchmarks.
 """
@@ -49,6 +49,7 @@ from kvcore.testing.helpers import (
     make_req,
     pool_total,
     prefill,
+    resume,
     retract,
     run_request,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "finish",
     "abort",
     "retract",
+    "resume",
     "run_request",
     "alloc_slots",
     "extend_slots",

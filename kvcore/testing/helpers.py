@@ -36,6 +36,7 @@ __all__ = [
     "finish",
     "abort",
     "retract",
+    "resume",
     "run_request",
     "alloc_slots",
     "extend_slots",
@@ -126,9 +127,18 @@ def abort(cache, req: Req) -> None:
     engine(cache).abort(req)
 
 
-def retract(cache, req: Req) -> None:
-    """Abort ``req`` and reset its record for recompute, keeping ``swa_evict_floor`` (``Engine.retract``)."""
-    engine(cache).retract(req)
+def retract(cache, req: Req, mode: str = "recompute"):
+    """Abort ``req`` and ``req.reset_for_retract()``, keeping ``swa_evict_floor`` (``Engine.retract``).
+
+    ``mode="offload"`` first backs the request's KV up to the host; returns that
+    backup (None for a recompute).
+    """
+    return engine(cache).retract(req, mode)
+
+
+def resume(cache, req: Req) -> bool:
+    """Bring an offload-retracted request back without recompute (``Engine.resume``); False if short."""
+    return engine(cache).resume(req)
 
 
 def run_request(cache, req: Req, *, chunk: int | None = None, decode_tokens: int = 0) -> bool:

@@ -16,6 +16,7 @@ swa_num_tokens)``, ``full_/swa_`` evictable and protected sizes and
 to run a backend's own consistency check after every step.
 
 Scenarios: out-of-window freeing during decode (both pools bounded and balanced),
+a prompt kept by ``swa_evict_floor`` through a long decode (and returned on finish),
 retraction, chunked prefill, streaming sessions, a seeded mixed workload, and for
 tree caches (skipped when ``cache.is_chunk_cache()``) a match across a tombstone,
 the fall back to the last valid point, healing (also under a full lock), inserts
@@ -46,11 +47,19 @@ from kvcore.testing.profiles import state_machine_settings
 __all__ = ["SWACacheConformance", "SWACacheStateMachine", "SWAEngine", "window_slots_held", "pool_available"]
 
 
-def window_slots_held(kv) -> int:
-    """Window slots a running record holds itself: ``[max(protected, cursor), allocated)``."""
+def window_slots_held(kv, page_size: int = 1) -> int:
+    """Window slots a running record holds itself (DESIGN.md, "Window side").
+
+    ``[cache_protected_len, kv_allocated_len)`` less ``[swa_dead_lo, swa_evicted_seqlen)``,
+    which the window free already returned: a floor above the protected prefix keeps
+    the window slots of ``[cache_protected_len, swa_dead_lo)`` with the request.
+    """
     if not kv.is_held:
         return 0
-    return max(0, kv.kv_allocated_len - max(kv.cache_protected_len, kv.swa_evicted_seqlen))
+    held = max(0, kv.kv_allocated_len - kv.cache_protected_len)
+    dead_lo = kv.swa_dead_lo(page_size)
+    dead_hi = min(kv.swa_evicted_seqlen, kv.kv_allocated_len)
+    return held - max(0, dead_hi - dead_lo)
 
 
 def pool_available(cache) -> dict[str, int]:
@@ -262,6 +271,41 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ decode frees the window
 
+    def test_swa_evict_floor_keeps_the_prompt_window(self, swa_cache):
+        """Prefill-aware SWA: ``swa_evict_floor`` keeps the prompt's window slots through a long decode.
+
+        The window slots of ``[cache_protected_len, swa_dead_lo)`` stay mapped and the
+        request's own (DESIGN.md "Window side"); the rest stays bounded by the window;
+        on finish every window slot goes back (SGLang 0.5.19 leaks the floor's part).
+        """
+        cache = swa_cache()
+        p, w = cache.page_size, cache.sliding_window_size
+        eng = self.swa_engine(cache)
+        prompt = _toks(3 * p + 1, 50)
+        req = eng.admit(Req("r", prompt))
+        req.kv.swa_evict_floor = len(prompt)
+        eng.prefill(req)
+        swa = next(v for v in cache.pools() if v.windowed)
+        row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        lo = req.kv.cache_protected_len
+        for step in range(8 * max(w, p)):
+            eng.decode(req, step % 5)
+            dead_lo = req.kv.swa_dead_lo(p)
+            kept = row[lo : min(dead_lo, req.kv.kv_allocated_len)].to(torch.int64)
+            if swa.translate is not None:
+                kept = swa.translate(kept)
+            assert bool((kept > 0).all()), f"step {step}: the floor's window slots were freed"
+            assert not bool(torch.isin(kept, swa.allocator.free_slots()).any()), step
+            assert window_slots_held(req.kv, p) <= (dead_lo - lo) + w + 2 * p, (step, req.kv)
+            if step % p == 0:
+                eng.check()
+        assert req.kv.swa_evicted_seqlen > req.kv.swa_dead_lo(p)
+        eng.finish(req)
+        eng.check()
+        cache.evict(10**9, 10**9)
+        assert all(v.available() == v.capacity for v in cache.pools())
+        eng.check()
+
     def test_swa_decode_frees_out_of_window_slots(self, swa_cache):
         cache = swa_cache()
         p, w = cache.page_size, cache.sliding_window_size
@@ -273,7 +317,7 @@ class SWACacheConformance(PrefixCacheConformance):
         for step in range(6 * p):
             for r in reqs:
                 eng.decode(r, 7 + step)
-                assert window_slots_held(r.kv) <= bound, (r, bound)
+                assert window_slots_held(r.kv, p) <= bound, (r, bound)
             if step % p == 0:
                 reports = {rep.pool: rep for rep in eng.check()}
                 assert reports["swa"].uncached <= 3 * bound
@@ -346,7 +390,7 @@ class SWACacheConformance(PrefixCacheConformance):
         eng.prefill(t2)
         for t in range(4 * p):
             eng.decode(t2, t)
-            assert window_slots_held(t2.kv) <= inner.sliding_window_size + 2 * p
+            assert window_slots_held(t2.kv, p) <= inner.sliding_window_size + 2 * p
         eng.check()
         eng.finish(t2)
         eng.check()

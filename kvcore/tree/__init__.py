@@ -9,7 +9,10 @@ Keys
     :func:`check_token_ids` (``ids[start:]`` are non-negative ints below 2**64,
     one C pass; TypeError/ValueError naming the first bad id otherwise) and
     :func:`checked_key` (any key-like value -> a checked :class:`kvcore.RadixKey`).
-    Keys with different ``extra_key`` never share a prefix.
+    A key may come as a list, an ``array`` (SGLang's ``array("q")``), a 1-D
+    integer numpy array or tensor: ``key.token_ids`` is always a list, made in
+    C (:func:`token_id_list`); ``key.same_prefix(other, n)`` compares two keys
+    without converting arrays.  Keys with different ``extra_key`` never share a prefix.
     :func:`check_evict_count` (an ``evict`` count: TypeError for a non-int,
     ValueError when negative).
 
@@ -71,7 +74,7 @@ the cache yields every node's slots from ``iter_owned_slots()`` and reports
 its (evictable, protected) counts per pool from ``cached_sizes()``.
 """
 
-from kvcore.keys import check_token_ids, checked_key
+from kvcore.keys import check_token_ids, checked_key, token_id_list
 from kvcore.tree.checks import check_evict_count
 from kvcore.tree.events import (
     AllPagesCleared,
@@ -120,5 +123,6 @@ __all__ = [
     "record_stored",
     "resolve_policy",
     "split_node",
+    "token_id_list",
     "unlock_path",
 ]

@@ -7,6 +7,14 @@
 
 from importlib.metadata import version
 
+from kvcore.pools.mamba_pool import (
+    COMPONENT,
+    HybridReqToTokenPool,
+    MambaPool,
+    MambaReqState,
+    MambaState,
+    mamba_state_of,
+)
 from kvcore_mamba.config import MambaConfig
 from kvcore_mamba.mamba_cache import (
     MambaEvictResult,
@@ -15,7 +23,6 @@ from kvcore_mamba.mamba_cache import (
     MambaRadixCache,
     MambaTreeNode,
 )
-from kvcore_mamba.pool import COMPONENT, HybridReqToTokenPool, MambaPool, MambaReqState, MambaState, mamba_state_of
 
 __version__ = version("kvcore-mamba")
 

@@ -79,7 +79,7 @@ class MambaConfig(TreeCacheConfig):
     def build_mamba_pool(self):
         import torch
 
-        from kvcore_mamba.pool import MambaPool
+        from kvcore.pools.mamba_pool import MambaPool
 
         return MambaPool(
             self.mamba_pool_size,
@@ -91,7 +91,7 @@ class MambaConfig(TreeCacheConfig):
         )
 
     def build_req_to_token_pool(self):
-        from kvcore_mamba.pool import HybridReqToTokenPool
+        from kvcore.pools.mamba_pool import HybridReqToTokenPool
 
         return HybridReqToTokenPool(
             self.max_num_reqs, self.max_context_len, device=self.device, mamba_pool=self.build_mamba_pool(),

@@ -2,7 +2,7 @@
 
 A hybrid model's full-attention layers keep KV per token (the ``full`` pool, as in
 any radix cache); its Mamba layers keep one fixed-size state per sequence (the
-``mamba`` pool, :class:`kvcore_mamba.pool.MambaPool`).  A prefix is reusable only
+``mamba`` pool, :class:`kvcore.pools.mamba_pool.MambaPool`).  A prefix is reusable only
 up to a node that kept a state snapshot, so every node carries ``value`` (its
 full-pool slots) and ``mamba_value`` (a one-slot tensor, or None: a *mamba
 tombstone*).  What follows SGLang exactly, because the differential test checks it:
@@ -41,6 +41,7 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams
 from kvcore.keys import KeyLike, RadixKey
+from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaReqState, mamba_state_of
 from kvcore.pools.views import PoolView
 from kvcore.tree import (
     AllPagesCleared,
@@ -59,7 +60,6 @@ from kvcore.tree import (
     unlock_path,
 )
 from kvcore_mamba.config import MambaConfig
-from kvcore_mamba.pool import HybridReqToTokenPool, MambaReqState, mamba_state_of
 
 __all__ = ["MambaRadixCache", "MambaTreeNode", "MambaMatchResult", "MambaInsertResult", "MambaEvictResult"]
 
@@ -982,6 +982,37 @@ class MambaRadixCache(BasePrefixCache):
         if result.mamba_exist:
             self.mamba_pool.free(donated)
         self.rebase_on_match(req, self.match_prefix(key), committed)
+
+    # ------------------------------------------------------------------ retraction backups, session accounting
+
+    def backup_request_state(self, req: Any) -> Any:
+        """A host copy of the request's own state slot (conv states, temporal state) for a retraction backup."""
+        comp = mamba_state_of(req.kv)
+        if comp is None or comp.mamba_pool_idx is None:
+            return None
+        idx = comp.mamba_pool_idx.reshape(1).to(torch.int64)
+        cache = self.mamba_pool.mamba_cache
+        return {"conv": [t[:, idx].to("cpu", copy=True) for t in cache.conv],
+                "temporal": cache.temporal[:, idx].to("cpu", copy=True)}
+
+    def restore_request_state(self, req: Any, state: Any) -> None:
+        """Write a ``backup_request_state`` copy into the state slot the request holds now."""
+        comp = self._state(req, "restore_request_state")
+        assert comp.mamba_pool_idx is not None
+        idx = comp.mamba_pool_idx.reshape(1).to(torch.int64)
+        cache = self.mamba_pool.mamba_cache
+        for t, saved in zip(cache.conv, state["conv"]):
+            t[:, idx] = saved.to(t.device)
+        cache.temporal[:, idx] = state["temporal"].to(cache.temporal.device)
+        # The slot holds the backed-up state now: nothing to copy or clear before the next forward.
+        comp.mamba_cow_src_index = None
+        comp.mamba_needs_clear = False
+        comp.cow_node = None
+
+    def request_state_slots(self, kv: Any) -> int:
+        """State slots the record holds: its own and its ping-pong tracking slots."""
+        comp = mamba_state_of(kv)
+        return 0 if comp is None else int(comp.slots().numel())
 
     # ------------------------------------------------------------------ debugging
 

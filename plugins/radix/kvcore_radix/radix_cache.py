@@ -121,7 +121,7 @@ class RadixCache(BasePrefixCache):
         root = TreeNode([], torch.empty((0,), dtype=torch.int64, device=self.device), None, None, self.clock(),
                         priority=-sys.maxsize)
         root.lock_ref = 1
-        # (key, length, path, matched length) of the last match_prefix, for the insert after it.
+        # (key, length, path, matched length, rest free of 0/1) of the last match_prefix, for the insert after it.
         self._last_walk: tuple | None = None
         root.hash_value = []
         self.root_node = root
@@ -207,7 +207,8 @@ class RadixCache(BasePrefixCache):
 
         Cached keys hold only validated ids, so a token that compared equal to one
         is a valid id; the rest of the key is checked in one C pass before anything
-        in the tree changes.
+        in the tree changes.  Returns ``_descend``'s four values and whether that
+        rest is known to hold no 0 or 1 (so that a key equal to this one holds no bool).
         """
         ids = rk.token_ids
         try:
@@ -215,11 +216,40 @@ class RadixCache(BasePrefixCache):
         except TypeError:  # an unhashable element: report it the canonical way
             check_token_ids(ids)
             raise
+        no01 = False
         if check_tail and not rk.validated:
-            check_token_ids(ids, found[1] + found[3], refuse_bools=self.strict)
+            no01 = check_token_ids(ids, found[1] + found[3], refuse_bools=self.strict)
             # The walked part equals validated cached ids, the rest was just checked.
             rk.validated = True
-        return found
+        return found + (no01,)
+
+    def _reuse_walk(self, rk: RadixKey, n: int) -> tuple | None:
+        """The last ``match_prefix`` walk when ``rk`` holds the same first ``n`` ids (and namespace).
+
+        An engine matches a key and then inserts the same tokens, often as a new
+        key object; the tree has not changed in between (any change clears the
+        walk), so its path still holds.  Returns ``(path, pos, ids)`` or None, where
+        ``ids`` are the token ids to store: the matched key's own, already
+        checked, when ``rk``'s are known valid or that key's checked rest held no
+        0 or 1 (a token equal to a checked id is taken as that id, as on the
+        walked path, and with no 0 or 1 there is no bool either; ``rk`` is then
+        neither converted nor scanned); else ``rk``'s, whose rest is checked here.
+        """
+        last = self._last_walk
+        if last is None or last[1] != n:
+            return None
+        lrk, _, path, pos, no01 = last
+        if lrk is not rk:
+            if rk.extra_key != lrk.extra_key or not rk.same_prefix(lrk, n):
+                return None
+            if lrk.validated and (rk.validated or no01):
+                # rk stays as it was: its ids were compared, not checked (another cache checks them).
+                return path, pos, lrk.token_ids
+        ids = rk.token_ids
+        if not rk.validated:
+            check_token_ids(ids, pos, refuse_bools=self.strict)
+            rk.validated = True
+        return path, pos, ids
 
     def match_prefix(self, key: KeyLike) -> MatchResult:
         rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
@@ -232,7 +262,7 @@ class RadixCache(BasePrefixCache):
             if self._check_match_tail:
                 check_token_ids(ids)
             return self._empty_match
-        path, pos, split_child, m = self._walk(rk, n, self._check_match_tail)
+        path, pos, split_child, m, no01 = self._walk(rk, n, self._check_match_tail)
         now = self.clock()
         self.root_node.last_access_time = now
         for x in path:
@@ -243,7 +273,7 @@ class RadixCache(BasePrefixCache):
             pos += m
         # An engine inserts the key it just matched: remember the walk so that insert
         # need not repeat it while the tree's shape is unchanged.
-        self._last_walk = (rk, n, path, pos)
+        self._last_walk = (rk, n, path, pos, no01)
         if not path:
             return self._empty_match
         node = path[-1]
@@ -271,8 +301,7 @@ class RadixCache(BasePrefixCache):
         skips hit counting (a chunked prefill re-inserting its own prefix).
         """
         rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
-        ids = rk.token_ids
-        n = len(ids)
+        n = len(rk)
         if value is not None:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"insert value must be a 1-D integer tensor of slots, got {type(value).__name__}")
@@ -286,13 +315,15 @@ class RadixCache(BasePrefixCache):
         if ps > 1:
             n -= n % ps
         if self.disable or n == 0:
-            check_token_ids(ids)
+            check_token_ids(rk.token_ids)
             return InsertResult(0, self.root_node)
-        last = self._last_walk
-        if last is not None and last[0] is rk and last[1] == n and rk.validated:
-            path, pos, split_child, m = last[2], last[3], None, 0
+        reused = self._reuse_walk(rk, n)
+        if reused is not None:
+            path, pos, ids = reused
+            split_child, m = None, 0
         else:
-            path, pos, split_child, m = self._walk(rk, n)
+            ids = rk.token_ids
+            path, pos, split_child, m, _ = self._walk(rk, n)
         self._last_walk = None
         pos0 = pos + m
         v = None

@@ -16,7 +16,6 @@ from kvcore_swa.window import SlidingWindowMixin, window_size
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
     from kvcore.pools import SWATokenToKVPoolAllocator
-    from kvcore.record import Req
 
 __all__ = ["SWAChunkCache"]
 
@@ -55,16 +54,6 @@ class SWAChunkCache(SlidingWindowMixin, ChunkCache):
         num_tokens = check_evict_count(num_tokens)
         swa_num_tokens = check_evict_count(swa_num_tokens, "swa_num_tokens")
         return EvictResult(0, 0)
-
-    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        kv = req.kv
-        # A cursor that jumped over [protected, swa_dead_lo) left those window slots
-        # mapped; the row free below treats everything under the cursor as window-dead.
-        hi = min(kv.swa_evicted_seqlen, kv.kv_committed_len, kv.swa_dead_lo(self.page_size))
-        if hi > kv.cache_protected_len:
-            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, kv.cache_protected_len : hi]
-            self.token_to_kv_pool_allocator.free_swa(row.to(torch.int64))
-        super().cache_finished_req(req, is_insert)
 
     # Nothing is ever cached: every size is zero.
     def full_evictable_size(self) -> int:

@@ -11,7 +11,7 @@ from kvcore.config import CacheConfig, TreeCacheConfig
 if TYPE_CHECKING:
     from kvcore.pools import SWATokenToKVPoolAllocator
 
-__all__ = ["SWAConfig", "SWAChunkConfig", "min_swa_size", "require_swa_allocator"]
+__all__ = ["SWAConfig", "SWAChunkConfig", "SlidingWindowConfig", "min_swa_size", "require_swa_allocator"]
 
 
 def require_swa_allocator(allocator: Any, backend: str) -> SWATokenToKVPoolAllocator:
@@ -30,15 +30,10 @@ def min_swa_size(sliding_window_size: int, page_size: int) -> int:
     return sliding_window_size + 2 * page_size
 
 
-class SWAChunkConfig(CacheConfig):
-    """Options of the ``swa-chunk`` backend (SGLang's SWAChunkCache): no prefix reuse.
-
-    Every token has a slot in the full pool (``size``) and, while it is inside the
-    window, one in the window pool (``swa_size``, default: as large as ``size``).
-    """
+class SlidingWindowConfig(CacheConfig):
+    """The common options plus the attention window ``sliding_window_size`` (every SWA backend)."""
 
     sliding_window_size: int = Field(1024, description="attention window W in tokens")
-    swa_size: int | None = Field(None, description="window-pool token slots (default: size)")
 
     @field_validator("sliding_window_size")
     @classmethod
@@ -46,6 +41,16 @@ class SWAChunkConfig(CacheConfig):
         if value <= 0:
             raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
         return value
+
+
+class SWAChunkConfig(SlidingWindowConfig):
+    """Options of the ``swa-chunk`` backend (SGLang's SWAChunkCache): no prefix reuse.
+
+    Every token has a slot in the full pool (``size``) and, while it is inside the
+    window, one in the window pool (``swa_size``, default: as large as ``size``).
+    """
+
+    swa_size: int | None = Field(None, description="window-pool token slots (default: size)")
 
     @model_validator(mode="after")
     def _check_swa_pool(self):

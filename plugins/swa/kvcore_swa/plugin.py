@@ -1,10 +1,11 @@
-"""Entry point ``swa`` in group ``kvcore``: registers the ``swa`` and ``swa-chunk`` backends."""
+"""Entry point ``swa`` in group ``kvcore``: registers ``swa``, ``swa-chunk``, ``swa-pure`` and ``swa-pure-chunk``."""
 
 from __future__ import annotations
 
 from kvcore import hookimpl
 from kvcore_swa.chunk import SWAChunkCache
 from kvcore_swa.config import SWAChunkConfig, SWAConfig
+from kvcore_swa.pure import PureSWAChunkCache, PureSWAChunkConfig, PureSWAConfig, PureSWARadixCache
 from kvcore_swa.tree import SWARadixCache
 
 
@@ -24,4 +25,19 @@ def kvcore_register_backends(register):
         SWAChunkCache,
         config=SWAChunkConfig,
         description="Sliding-window attention without prefix reuse: frees out-of-window slots (SGLang SWAChunkCache)",
+    )
+    register(
+        "swa-pure",
+        PureSWARadixCache,
+        config=PureSWAConfig,
+        description=(
+            "Every layer sliding-window: the radix tree on one window pool, finished requests cached "
+            "below swa_evict_floor (SGLang PureSWARadixCache)"
+        ),
+    )
+    register(
+        "swa-pure-chunk",
+        PureSWAChunkCache,
+        config=PureSWAChunkConfig,
+        description="Every layer sliding-window, no prefix reuse, one window pool (SGLang PureSWAChunkCache)",
     )

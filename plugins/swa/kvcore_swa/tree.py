@@ -364,7 +364,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             return InsertResult(0, self.root_node, duplicates_freed=True)
         if n == 0:
             return InsertResult(0, self.root_node, duplicates_freed=True)
-        value = value[:n]
+        if value.shape[0] != n:
+            value = value[:n]
         if self.strict:
             self._check_slots(value, prev_prefix_len, n)
         if swa_evicted_seqlen > prev_prefix_len:
@@ -395,7 +396,9 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def _check_slots(self, value: torch.Tensor, lo: int, hi: int, what: str = "insert") -> None:
         """Refuse (nothing changed) unless ``value[lo:hi]``, the caller's own slots, may enter the tree."""
         if hi > lo:
-            self.token_to_kv_pool_allocator.check_claimable(value[lo:hi], what=what)
+            # A slice is a tensor operation too: skip it when the whole value is meant.
+            part = value if lo == 0 and hi == value.shape[0] else value[lo:hi]
+            self.token_to_kv_pool_allocator.check_claimable(part, what=what)
 
     def _release_window(self, slots: torch.Tensor) -> None:
         """Free whatever window side ``slots`` still map to (already-unmapped ones are skipped)."""
@@ -410,7 +413,13 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         value: torch.Tensor,
         prev: int,
         sev: int,
+        owned: bool = False,
     ) -> tuple[int, SWATreeNode]:
+        """Walk/extend the tree with ``ids[:n]`` -> ``value[:n]``; returns (prefix length, last node).
+
+        ``owned``: ``value`` is a copy made for this call (a request's row read out), so the
+        new nodes may keep views of it; otherwise the new part is copied (the caller keeps its tensor).
+        """
         alloc = self.token_to_kv_pool_allocator
         root = self.root_node
         node = root
@@ -454,10 +463,17 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 # a tombstone: the tree does not take it.
                 alloc.free_full(value[pos:n])
                 return prefix_len, node
+            # One copy (and one claim) for the whole new part; the nodes keep views of it.
+            tail = value[pos:n] if pos or n != value.shape[0] else value
+            if not owned:
+                tail = tail.clone()
+            if self.strict:
+                alloc.claim(tail, checked=False)
             if sev > pos:
-                node = self._add_node(node, ids[pos:sev], extra_key, value[pos:sev], tombstone=True)
+                node = self._add_node(node, ids[pos:sev], extra_key, tail[: sev - pos], tombstone=True)
+                tail = tail[sev - pos :]
                 pos = sev
-            node = self._add_node(node, ids[pos:n], extra_key, value[pos:n], tombstone=False)
+            node = self._add_node(node, ids[pos:n], extra_key, tail, tombstone=False)
         return prefix_len, node
 
     def _adopt_duplicate(self, node: SWATreeNode, value: torch.Tensor, pos: int, end: int, sev: int) -> None:
@@ -502,13 +518,12 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def _add_node(
         self, parent: SWATreeNode, key: list[int], extra_key, value: torch.Tensor, tombstone: bool
     ) -> SWATreeNode:
+        """A new child of ``parent``; ``value`` is the tree's own copy, already claimed under ``strict``."""
         node = SWATreeNode()
         node.parent = parent
         node.key = key
         node.extra_key = extra_key
-        node.value = value.clone()
-        if self.strict:
-            self.token_to_kv_pool_allocator.claim(node.value, checked=False)
+        node.value = value
         node.tombstone = tombstone
         node.last_access_time = self._tick()
         ps = self.page_size
@@ -679,9 +694,14 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         swa_num_tokens = check_evict_count(swa_num_tokens, "swa_num_tokens")
         if self.disable:
             return EvictResult(0, 0)
-        alloc = self.token_to_kv_pool_allocator
         root = self.root_node
         full_evicted = swa_evicted = 0
+        # The slots go back to the pools in one call per kind once the walk is done (a free
+        # costs a dozen tensor operations whatever its size): live leaves (both sides),
+        # tombstones (full side only) and window-only frees of the nodes tombstoned here.
+        live: list[torch.Tensor] = []
+        dead: list[torch.Tensor] = []
+        swa_only: list[torch.Tensor] = []
 
         if num_tokens > 0:
             x = self.full_lru.lru_unlocked(leaf_only=True)
@@ -692,8 +712,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 full_evicted += n
                 if not x.tombstone:
                     swa_evicted += n
-                self._delete_leaf(x, free=True)
-                top, freed = self._prune_tombstones(parent)
+                self._delete_leaf(x, live, dead)
+                top, freed = self._prune_tombstones(parent, dead)
                 full_evicted += freed
                 if top is not root and not top.children:
                     # An ancestor became a leaf and may be older than nxt.
@@ -706,7 +726,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 nxt = self.swa_lru.prev_unlocked(x)
                 n = len(x.key)
                 if x.children or x.lock_ref > 0:
-                    alloc.free_swa(x.value)
+                    swa_only.append(x.value)
                     self.swa_lru.remove(x)
                     x.tombstone = True
                     self.swa_evictable_size_ -= n
@@ -715,29 +735,46 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                     parent = x.parent
                     full_evicted += n
                     swa_evicted += n
-                    self._delete_leaf(x, free=True)
+                    self._delete_leaf(x, live, dead)
                     # The tombstone leaves this uncovers go too, and are counted.  (SGLang's
                     # window phase frees them without counting them: its num_tokens_evicted
                     # under-reports the full pool's gain there.  Ours is the pool's gain.)
-                    _, freed = self._prune_tombstones(parent)
+                    _, freed = self._prune_tombstones(parent, dead)
                     full_evicted += freed
                 x = nxt
+        self._free_batch(live, dead, swa_only)
         return EvictResult(full_evicted, swa_evicted)
 
-    def _delete_leaf(self, x: SWATreeNode, free: bool) -> None:
-        """Remove unlocked leaf ``x`` (both LRUs, its parent, the size counters), freeing its slots."""
+    @staticmethod
+    def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _free_batch(self, live: list[torch.Tensor], dead: list[torch.Tensor], swa_only: list[torch.Tensor]) -> None:
+        """Give back what an eviction took: window sides first (the full-to-window map is read), then full sides."""
+        alloc = self.token_to_kv_pool_allocator
+        if swa_only:
+            alloc.free_swa(self._cat(swa_only))
+        if self.strict and (live or dead):
+            alloc.disown(self._cat(live + dead))
+        if live:
+            alloc.free(self._cat(live))
+        if dead:
+            alloc.free_full(self._cat(dead))
+
+    def _delete_leaf(self, x: SWATreeNode, live: list[torch.Tensor], dead: list[torch.Tensor]) -> None:
+        """Remove unlocked leaf ``x`` (both LRUs, its parent, the size counters).
+
+        Its slots are appended to ``live`` (a node with window slots) or ``dead`` (a
+        tombstone) for the caller to free (``_free_batch``).
+        """
         assert not x.children and x.lock_ref == 0, x
         n = len(x.key)
-        if free:
-            if self.strict:
-                self.token_to_kv_pool_allocator.disown(x.value)
-            if x.tombstone:
-                self.token_to_kv_pool_allocator.free_full(x.value)
-            else:
-                self.token_to_kv_pool_allocator.free(x.value)
         self.full_lru.remove(x)
         self.full_evictable_size_ -= n
-        if not x.tombstone:
+        if x.tombstone:
+            dead.append(x.value)
+        else:
+            live.append(x.value)
             self.swa_lru.remove(x)
             self.swa_evictable_size_ -= n
         del x.parent.children[x.ck]
@@ -746,14 +783,17 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if self.enable_kv_events:
             record_removed(self._events, x)
 
-    def _prune_tombstones(self, node: SWATreeNode) -> tuple[SWATreeNode, int]:
-        """Delete unlocked tombstone leaves from ``node`` upward; returns (first kept node, tokens freed)."""
+    def _prune_tombstones(self, node: SWATreeNode, dead: list[torch.Tensor]) -> tuple[SWATreeNode, int]:
+        """Delete unlocked tombstone leaves from ``node`` upward (their slots to ``dead``).
+
+        Returns (first kept node, tokens taken).
+        """
         root = self.root_node
         freed = 0
         while node is not root and node.tombstone and not node.children and node.lock_ref == 0:
             parent = node.parent
             freed += len(node.key)
-            self._delete_leaf(node, free=True)
+            self._delete_leaf(node, dead, dead)
             node = parent
         return node, freed
 
@@ -784,13 +824,14 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             return  # given back already: the release skips it
         check_locked(self._path(node, what), node, what)
 
-    def _check_req_slots(self, req: Req, is_insert: bool) -> None:
-        """Under ``strict``: the row's ``[cache_protected_len, aligned committed)`` may enter the tree."""
+    def _req_values(self, req: Req, aligned: int) -> torch.Tensor:
+        """``req``'s row up to ``aligned`` as int64 slots; under ``strict`` its ``[cache_protected_len, aligned)``
+        must be slots that may enter the tree (refused before anything changes)."""
         kv = req.kv
-        aligned = floor_align(kv.kv_committed_len, self.page_size)
-        if self.strict and is_insert and aligned > kv.cache_protected_len:
-            row = self._row(kv)[:aligned].to(torch.int64)
-            self._check_slots(row, kv.cache_protected_len, aligned, f"request {req.rid!r}")
+        values = self._row(kv)[:aligned].to(torch.int64, copy=True)
+        if self.strict and aligned > kv.cache_protected_len:
+            self._check_slots(values, kv.cache_protected_len, aligned, f"request {req.rid!r}")
+        return values
 
     def _release_req_lock(self, req: Req) -> None:
         node = req.last_node
@@ -818,19 +859,22 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             req.lock = None
             return
         self._check_req_lock(req, "cache_finished_req")
-        self._check_req_slots(req, is_insert)
-        self._settle_window(kv, committed)
         aligned = floor_align(committed, self.page_size)
-        if is_insert and aligned > 0 and aligned >= protected:
-            # Even with nothing new (aligned == protected) the insert walk touches the
-            # path in both LRU orders, as SGLang's does.
+        # Even with nothing new (aligned == protected) the insert walk touches the
+        # path in both LRU orders, as SGLang's does.
+        insert = is_insert and aligned > 0 and aligned >= protected
+        if insert:
+            # Read and checked before anything changes.
+            values = self._req_values(req, aligned)
             ids = self._req_key_ids(req, aligned)
-            values = self._row(kv)[:aligned].to(torch.int64)
-            self._insert(ids, req.extra_key, aligned, values, protected, kv.swa_evicted_seqlen)
-        else:
+        self._settle_window(kv, committed)
+        if insert:
+            self._insert(ids, req.extra_key, aligned, values, protected, kv.swa_evicted_seqlen, owned=True)
+        elif aligned > protected:
             self.free_kv_row(kv, [(protected, aligned)])
         # The unaligned tail (a partial page) never enters the tree.
-        self.free_kv_row(kv, [(max(aligned, protected), committed)])
+        if committed > max(aligned, protected):
+            self.free_kv_row(kv, [(max(aligned, protected), committed)])
         self._release_req_lock(req)
         req.last_node = None
         req.lock = None
@@ -852,18 +896,19 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
         self._check_req_lock(req, "cache_unfinished_req")
-        self._check_req_slots(req, True)
-        self._settle_window(kv, committed)
         protected = kv.cache_protected_len
-        sev = kv.swa_evicted_seqlen
         aligned = floor_align(committed, self.page_size)
+        values = self._req_values(req, aligned) if aligned > protected else None
+        self._settle_window(kv, committed)
+        sev = kv.swa_evicted_seqlen
         if aligned == 0 or aligned < protected or sev >= aligned:
             # Nothing the tree could keep as a live leaf.
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
         ids = self._req_key_ids(req, aligned)
-        values = row[:aligned].to(torch.int64)
-        _, last = self._insert(ids, req.extra_key, aligned, values, protected, sev)
+        if values is None:
+            values = row[:aligned].to(torch.int64, copy=True)
+        _, last = self._insert(ids, req.extra_key, aligned, values, protected, sev, owned=True)
         # SGLang re-matches the key here; the match's LRU touches (parents older than
         # children) decide later evictions, so do the same.
         m = self.match_prefix(RadixKey(ids, req.extra_key))

@@ -1,0 +1,524 @@
+"""The ``full`` and ``swa`` tree components (SGLang's FullComponent and SWAComponent).
+
+See :mod:`kvcore.components` for the contract every component follows.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvcore.cache import LockResult, SlotOwner
+from kvcore.components import TreeComponent
+from kvcore.tree import LRUList, lock_path, unlock_path
+
+if TYPE_CHECKING:
+    from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
+
+__all__ = ["FullComponent", "SWAComponent", "SWAOptions"]
+
+
+class FullComponent(TreeComponent):
+    """Full-attention KV slots on every node: path locks, unlocked leaves evicted by recency."""
+
+    name = "full"
+    pool = "full"
+    internal_priority = 2
+    cache: UnifiedRadixCache
+
+    def reset_state(self) -> None:
+        self._evictable = 0
+        self._protected = 0
+
+    def has_value(self, node: Any) -> bool:
+        return node.value is not None
+
+    def value_len(self, node: Any) -> int:
+        return len(node.key)
+
+    def lock_ref(self, node: Any) -> int:
+        return node.lock_ref
+
+    def added(self, node: UnifiedNode) -> None:
+        self._evictable += len(node.key)
+
+    def owned_slots(self, node: Any) -> Iterator[SlotOwner]:
+        yield SlotOwner("full", f"tree node {node.id} ({len(node.key)} tokens)", node.value)
+
+    def free_value(self, node: Any) -> int:
+        cache = self.cache
+        alloc = cache.token_to_kv_pool_allocator
+        if cache.strict:
+            alloc.disown(node.value)
+        if cache.free_batch is not None:
+            cache.free_batch.append(node.value)  # one free at the end of the eviction
+        else:
+            alloc.free(node.value)
+        n = len(node.key)
+        if node.lock_ref:
+            self._protected -= n
+        else:
+            self._evictable -= n
+        return n
+
+    def lock(self, node: Any, lock: LockResult) -> None:
+        root = self.cache.root_node
+        leaves = self.cache.leaves
+        delta = 0
+        x = node
+        while x is not root:
+            if x.lock_ref == 0:
+                delta += len(x.key)
+                leaves.discard(x)
+            x.lock_ref += 1
+            x = x.parent
+        self._evictable -= delta
+        self._protected += delta
+        lock.delta = delta
+
+    def lock_path(self, path: list, newly: list) -> int:
+        """A full-only tree's lock: ``path`` (leaf first) locked, as ``lock`` does."""
+        delta = lock_path(path, newly)
+        if newly:
+            self.cache.leaves.difference_update(newly)
+        self._evictable -= delta
+        self._protected += delta
+        return delta
+
+    def unlock_path(self, path: list) -> int:
+        """A full-only tree's unlock: as ``unlock``; the nodes whose last lock went may become leaves."""
+        newly: list = []
+        delta = unlock_path(path, newly)
+        leaves = self.cache.leaves
+        for x in newly:
+            if not x.children:
+                leaves.add(x)
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    def unlock(self, node: Any, lock: LockResult | None) -> None:
+        cache = self.cache
+        root = cache.root_node
+        delta = 0
+        x = node
+        while x is not root:
+            if x.lock_ref == 1:
+                delta += len(x.key)
+            x.lock_ref -= 1
+            if x.lock_ref == 0:
+                cache.update_leaf(x)
+            x = x.parent
+        self._evictable += delta
+        self._protected -= delta
+
+    def evict(self, target: int, tracker: dict[str, int]) -> None:
+        cache = self.cache
+        leaves = cache.leaves
+        heap = [(x.last_access_time, x.id, x) for x in leaves]
+        heapq.heapify(heap)
+        last_parent = None
+        while True:
+            if last_parent is not None and last_parent in leaves:
+                heapq.heappush(heap, (last_parent.last_access_time, last_parent.id, last_parent))
+            last_parent = None
+            found = None
+            while tracker["full"] < target and heap:
+                x = heapq.heappop(heap)[2]
+                if x in leaves:
+                    found = x
+                    break
+            if found is None:
+                return
+            last_parent = found.parent
+            cache.delete_leaf(found, tracker)
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def check_totals(self, root: Any) -> None:
+        from kvcore.tree import iter_subtree
+
+        ev = pr = 0
+        for x in iter_subtree(root):
+            if x.lock_ref:
+                pr += len(x.key)
+            else:
+                ev += len(x.key)
+        assert (ev, pr) == (self._evictable, self._protected), ((ev, pr), (self._evictable, self._protected))
+
+
+def min_swa_size(window: int, page_size: int) -> int:
+    return window + 2 * page_size
+
+
+class SWAOptions(BaseModel):
+    """Options of the ``swa`` component: the window and the window pool."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sliding_window_size: int = Field(1024, strict=True, description="attention window W in tokens")
+    swa_size: int | None = Field(None, strict=True, description="window-pool token slots (default: size)")
+
+    @field_validator("sliding_window_size")
+    @classmethod
+    def _check_window(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
+        return value
+
+
+class SWAComponent(TreeComponent):
+    """Sliding-window slots: tombstones, window locks, window-only recency (SGLang's SWAComponent)."""
+
+    name = "swa"
+    pool = "swa"
+    internal_priority = 1
+    options = SWAOptions
+    window_lock = True
+    node_fields = {"swa_value": None, "swa_lock_ref": 0, "swa_uuid": None, "swa_prev": None, "swa_next": None}
+    cache: UnifiedRadixCache
+
+    # -- config hooks ------------------------------------------------------------------
+    @staticmethod
+    def check_options(config: Any, opts: SWAOptions) -> None:
+        ps = config.page_size
+        swa = config.size if opts.swa_size is None else opts.swa_size
+        if swa <= 0:
+            raise ValueError(f"swa_size must be positive, got {swa}")
+        if swa % ps:
+            raise ValueError(f"swa_size={swa} is not a multiple of page_size={ps}; use e.g. {(swa // ps + 1) * ps}")
+        need = min_swa_size(opts.sliding_window_size, ps)
+        if swa < need:
+            raise ValueError(
+                f"swa_size={swa} cannot hold one request's window: sliding_window_size={opts.sliding_window_size} "
+                f"plus two pages of {ps} needs at least {need} window slots"
+            )
+
+    @staticmethod
+    def build_allocator(config: Any, opts: SWAOptions) -> Any:
+        from kvcore.pools import SWATokenToKVPoolAllocator
+
+        swa = config.size if opts.swa_size is None else opts.swa_size
+        return SWATokenToKVPoolAllocator(config.size, swa, config.page_size, config.torch_device())
+
+    def __init__(self, cache: Any, options: BaseModel | None) -> None:
+        super().__init__(cache, options)
+        opts = options if isinstance(options, SWAOptions) else SWAOptions.model_validate({})
+        self.window = int(opts.sliding_window_size)
+        alloc = cache.token_to_kv_pool_allocator
+        for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
+            if not hasattr(alloc, attr):
+                raise TypeError(
+                    f"the swa component needs an SWATokenToKVPoolAllocator, got {type(alloc).__name__}")
+        self.alloc = alloc
+        self._uuids = itertools.count(1)
+
+    def cache_attrs(self) -> dict[str, Any]:
+        return {**super().cache_attrs(), "sliding_window_size": self.window}
+
+    def reset_state(self) -> None:
+        from kvcore_unified.tree import UnifiedNode
+
+        def sentinel() -> UnifiedNode:
+            n = UnifiedNode()
+            setattr(n, "swa_lock_ref", 0)  # noqa: B010  (a component field, set on every node)
+            return n
+
+        self.lru = LRUList(sentinel, "swa_prev", "swa_next", "swa_lock_ref", "window LRU")
+        self._evictable = 0
+        self._protected = 0
+
+    # -- per node ----------------------------------------------------------------------
+    def has_value(self, node: Any) -> bool:
+        return node.swa_value is not None
+
+    def value_len(self, node: Any) -> int:
+        return 0 if node.swa_value is None else len(node.swa_value)
+
+    def lock_ref(self, node: Any) -> int:
+        return node.swa_lock_ref
+
+    def owned_slots(self, node: Any) -> Iterator[SlotOwner]:
+        yield SlotOwner("swa", f"tree node {node.id} ({len(node.key)} tokens)", node.swa_value)
+
+    def free_value(self, node: Any) -> int:
+        """Tombstone ``node``: its window slots go back (its full slots stay)."""
+        self.alloc.free_swa(node.value)
+        n = len(node.swa_value)
+        if node.swa_lock_ref:
+            self._protected -= n
+        else:
+            self._evictable -= n
+        node.swa_value = None
+        if node in self.lru:
+            self.lru.remove(node)
+        return n
+
+    def set_value(self, node: Any, swa: torch.Tensor) -> None:
+        node.swa_value = swa
+        self.lru.add_mru(node)
+        self._evictable += len(swa)
+
+    def on_split(self, upper: Any, child: Any) -> None:
+        has = child.swa_value is not None
+        if has:
+            self.lru.remove(child)
+        upper.swa_lock_ref = child.swa_lock_ref
+        if has:
+            k = len(upper.key)
+            upper.swa_value = child.swa_value[:k]
+            child.swa_value = child.swa_value[k:]
+        else:
+            upper.swa_value = None
+        upper.swa_uuid = child.swa_uuid
+        child.swa_uuid = None
+        if has:
+            self.lru.add_mru(upper)
+            self.lru.add_mru(child)
+
+    # -- match -------------------------------------------------------------------------
+    def validator(self) -> Callable[[Any], bool]:
+        window = self.window
+        state = [float("inf")]
+
+        def valid(node: Any) -> bool:
+            if node.swa_value is None:
+                state[0] = 0
+                return False
+            state[0] += len(node.key)
+            return state[0] >= window
+
+        return valid
+
+    def _touch_window(self, node: Any) -> None:
+        """SGLang's reset_node_and_window_ancestors_mru: the last W + page tokens of the path, deepest first."""
+        root = self.cache.root_node
+        limit = self.window + self.cache.page_size
+        acc = 0
+        picked = []
+        x = node
+        while x is not root and acc < limit:
+            if x.swa_value is not None:
+                picked.append(x)
+            acc += len(x.key)
+            x = x.parent
+        lru = self.lru
+        for x in reversed(picked):
+            lru.touch(x)
+
+    def after_match(self, node: Any) -> None:
+        self._touch_window(node)
+
+    def after_insert(self, node: Any) -> None:
+        self._touch_window(node)
+
+    # -- insert ------------------------------------------------------------------------
+    def prepare_insert(self, req: Any, ins: InsertArgs, finished: bool) -> int | None:
+        kv = req.kv
+        ins.swa_evicted_seqlen = kv.swa_evicted_seqlen
+        # Window slots the record says are gone but may still be mapped (a floor jump).
+        lo = kv.cache_protected_len
+        hi = min(kv.swa_evicted_seqlen, kv.kv_committed_len, kv.swa_dead_lo(self.cache.page_size))
+        if hi > lo:
+            self.alloc.free_swa(self.cache._row(kv)[lo:hi].to(torch.int64))
+        return None
+
+    def before_insert(self, value: Any, ins: Any) -> None:
+        """A direct insert: the window slots below ``swa_evicted_seqlen`` are gone; make sure they are."""
+        prev, sev = ins.prev_prefix_len, ins.swa_evicted_seqlen
+        if sev > prev:
+            part = value[prev : min(sev, value.numel())]
+            if part.numel():
+                self.alloc.free_swa(part)
+
+    def _recover_locked(self, node: Any, kept: torch.Tensor, incoming: torch.Tensor) -> None:
+        """A tombstone whose full slots a request reads: keep them, map them onto the incoming window slots."""
+        alloc = self.alloc
+        swa = alloc.translate_loc_from_full_to_swa(incoming)
+        mapping = alloc.full_to_swa_index_mapping
+        mapping[kept] = swa
+        mapping[incoming] = 0
+        alloc.free_full(incoming)
+        self.set_value(node, swa)
+
+    def on_insert_overlap(self, node: Any, prefix_len: int, total_prefix_len: int, value_slice: Any,
+                          ins: InsertArgs) -> int:
+        if ins.prev_prefix_len >= total_prefix_len + prefix_len or node.swa_value is not None:
+            return prefix_len
+        sev = ins.swa_evicted_seqlen
+        cache = self.cache
+        if sev <= total_prefix_len:
+            if node.lock_ref > 0:
+                self._recover_locked(node, node.value, value_slice)
+                return 0
+            cache.replace_full(node, value_slice)
+            self.set_value(node, self.alloc.translate_loc_from_full_to_swa(node.value))
+            return 0
+        if sev < total_prefix_len + prefix_len:
+            start = sev - total_prefix_len
+            locked = node.lock_ref > 0
+            cache.split(node, start)
+            new_full = value_slice[start:]
+            if locked:
+                self._recover_locked(node, node.value, new_full)
+                return start
+            cache.replace_full(node, new_full)
+            self.set_value(node, self.alloc.translate_loc_from_full_to_swa(node.value))
+            return start
+        return prefix_len
+
+    def on_insert_commit(self, node: Any, is_new_leaf: bool, ins: InsertArgs) -> None:
+        if not is_new_leaf:
+            return
+        split_pos = ins.swa_evicted_seqlen - ins.prefix_len
+        if split_pos >= len(node.key):
+            return  # wholly outside the window: the leaf lives on its full value alone
+        cache = self.cache
+        if split_pos > 0:
+            cache.split(node, split_pos)
+        capped = self._cap_leaf(node)
+        translate = self.alloc.translate_loc_from_full_to_swa
+        if capped is not None:
+            self.set_value(capped, translate(capped.value))
+        self.set_value(node, translate(node.value))
+
+    def _cap_leaf(self, leaf: Any) -> Any:
+        """Cut a fresh in-window leaf to its last page-aligned window, so a lock on it pins one window."""
+        if leaf.swa_lock_ref > 0:
+            return None
+        ps = self.cache.page_size
+        tail = (self.window + ps - 1) // ps * ps
+        n = len(leaf.key)
+        if n <= tail:
+            return None
+        split_at = n - tail
+        if ps > 1 and (split_at % ps or n % ps):
+            return None
+        return self.cache.split(leaf, split_at)
+
+    # -- locks -------------------------------------------------------------------------
+    def lock(self, node: Any, lock: LockResult) -> None:
+        root = self.cache.root_node
+        window = self.window
+        size = 0
+        stop = None
+        skip: set[int] = set()
+        x = node
+        while x is not root and size < window:
+            if x.swa_value is None:
+                skip.add(x.id)
+                x = x.parent
+                continue
+            if x.swa_lock_ref == 0:
+                n = len(x.key)
+                self._evictable -= n
+                self._protected += n
+            x.swa_lock_ref += 1
+            size += len(x.swa_value)
+            if size >= window:
+                if x.swa_uuid is None:
+                    x.swa_uuid = next(self._uuids)
+                stop = x.swa_uuid
+            x = x.parent
+        lock.stop = stop
+        lock.extras["swa_skip"] = skip
+
+    def unlock(self, node: Any, lock: LockResult | None) -> None:
+        root = self.cache.root_node
+        stop = lock.stop if lock is not None else None
+        skip = lock.extras.get("swa_skip", ()) if lock is not None else ()
+        x = node
+        while x is not root:
+            if x.id in skip or x.swa_lock_ref == 0:
+                x = x.parent
+                continue
+            if x.swa_lock_ref == 1:
+                n = len(x.swa_value)
+                self._evictable += n
+                self._protected -= n
+            x.swa_lock_ref -= 1
+            if stop and x.swa_uuid == stop:
+                return
+            x = x.parent
+
+    def release_window(self, node: Any, lock: LockResult | None) -> None:
+        """SGLang's release_window_lock: drop the window lock, tombstoning leaves nothing else locks."""
+        cache = self.cache
+        root = cache.root_node
+        stop = lock.stop if lock is not None else None
+        x = node
+        while x is not root:
+            if x.swa_value is None or x.swa_lock_ref == 0:
+                if stop and x.swa_uuid == stop:
+                    return
+                x = x.parent
+                continue
+            x.swa_lock_ref -= 1
+            if x.swa_lock_ref == 0:
+                n = len(x.key)
+                self._protected -= n
+                self._evictable += n
+                if cache.is_leaf(x):
+                    self.free_value(x)
+            if stop and x.swa_uuid == stop:
+                return
+            x = x.parent
+
+    # -- eviction ----------------------------------------------------------------------
+    def evict(self, target: int, tracker: dict[str, int]) -> None:
+        cache = self.cache
+        lru = self.lru
+        leaves = cache.leaves
+        cursor = lru.lru_unlocked()
+        while True:
+            if cursor is not None and cursor not in lru:
+                cursor = lru.lru_unlocked()
+            if tracker["swa"] >= target or cursor is None:
+                return
+            x = cursor
+            if x in leaves:
+                cursor = lru.prev_unlocked(x)
+                cache.delete_leaf(x, tracker)
+                continue
+            cursor = lru.prev_unlocked(x)
+            cache.drop_value(x, self, tracker)
+
+    # -- sizes -------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def check(self, node: Any) -> None:
+        if node.swa_value is None:
+            assert node not in self.lru and node.swa_lock_ref == 0, node
+        else:
+            assert node in self.lru and len(node.swa_value) == len(node.key), node
+            assert torch.equal(node.swa_value, self.alloc.translate_loc_from_full_to_swa(node.value)), node
+
+    def check_totals(self, root: Any) -> None:
+        from kvcore.tree import iter_subtree
+
+        ev = pr = cnt = 0
+        for x in iter_subtree(root):
+            if x.swa_value is not None:
+                cnt += 1
+                if x.swa_lock_ref:
+                    pr += len(x.key)
+                else:
+                    ev += len(x.key)
+        assert (ev, pr) == (self._evictable, self._protected), ((ev, pr), (self._evictable, self._protected))
+        assert cnt == self.lru.count, (cnt, self.lru.count)
+
+
+

@@ -1,0 +1,128 @@
+"""Options of the ``unified`` backend: the component set, plus the union of its components' options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from kvcore.components import TreeComponent, get_component
+from kvcore.config import TreeCacheConfig
+
+__all__ = ["UnifiedConfig", "UnifiedMambaConfig", "UnifiedSWAConfig"]
+
+
+class UnifiedConfig(TreeCacheConfig):
+    """Options of ``unified``: ``components`` (``full`` first), the tree's options and each component's.
+
+    A component's options (``sliding_window_size`` and ``swa_size`` for ``swa``, ...) are
+    accepted only when that component is in ``components``, and are validated by its own
+    model; anything else is refused, naming what the chosen components take.
+    """
+
+    # The components' options arrive as extra fields; the validator below checks each one.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    components: tuple[str, ...] = Field(("full",), description="tree components, full first: full, swa, mamba, ...")
+
+    _component_options: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @field_validator("components", mode="before")
+    @classmethod
+    def _check_components(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, (tuple, list)) or not value or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"components must be a non-empty tuple of component names, got {value!r}")
+        value = tuple(value)
+        if value[0] != "full":
+            raise ValueError(f"components={value!r}: the first component must be 'full' (it decides which nodes exist)")
+        if len(set(value)) != len(value):
+            raise ValueError(f"components={value!r} names a component twice")
+        for name in value:
+            get_component(name)  # ValueError listing the registered ones
+        return value
+
+    @model_validator(mode="after")
+    def _check_component_options(self):
+        if self.eviction_policy != "lru":
+            raise ValueError(
+                f"eviction_policy={self.eviction_policy!r} is not supported by the unified backend: its full "
+                "component evicts leaves by recency (SGLang's default), so only 'lru' applies"
+            )
+        extra = dict(self.model_extra or {})
+        # A preset (unified-swa, ...) declares its components' options as fields: those the caller set
+        # are checked like any other component option (the rest take the component's defaults).
+        for k in self.model_fields_set:
+            if k not in UnifiedConfig.model_fields:
+                extra[k] = getattr(self, k)
+        taken: dict[str, Any] = {}
+        for name in self.components:
+            spec = get_component(name)
+            model = spec.options
+            if model is None:
+                taken[name] = None
+                continue
+            mine = {k: extra.pop(k) for k in list(extra) if k in model.model_fields}
+            try:
+                opts = model(**mine)
+            except ValidationError as exc:
+                parts = []
+                for err in exc.errors():
+                    field = ".".join(str(p) for p in err["loc"])
+                    msg = err["msg"].removeprefix("Value error, ")
+                    parts.append(f"option {field!r} of component {name!r}: {msg}" if field else msg)
+                raise ValueError("; ".join(parts)) from None
+            cls = spec.factory
+            if isinstance(cls, type) and issubclass(cls, TreeComponent):
+                cls.check_options(self, opts)
+            taken[name] = opts
+        if extra:
+            offered = sorted(
+                f for n in self.components if (m := get_component(n).options) is not None for f in m.model_fields
+            )
+            bad = ", ".join(repr(k) for k in sorted(extra))
+            raise ValueError(
+                f"unknown option(s) {bad} for components {self.components!r}; their own options are "
+                f"{', '.join(offered) or 'none'} (add the component that takes an option to `components`)"
+            )
+        self._component_options = taken
+        return self
+
+    def component_options(self, name: str) -> Any:
+        """The validated options instance of component ``name`` (None if it takes none)."""
+        return self._component_options.get(name)
+
+    def _build(self, what: str) -> Any:
+        built = None
+        for name in self.components:
+            cls = get_component(name).factory
+            if isinstance(cls, type) and issubclass(cls, TreeComponent):
+                made = getattr(cls, what)(self, self._component_options.get(name))
+                if made is not None:
+                    built = made
+        return built
+
+    def build_allocator(self):
+        return self._build("build_allocator") or super().build_allocator()
+
+    def build_req_to_token_pool(self):
+        return self._build("build_req_to_token_pool") or super().build_req_to_token_pool()
+
+
+class UnifiedSWAConfig(UnifiedConfig):
+    """``unified-swa``: ``unified`` with components (full, swa) by default, the window options declared.
+
+    The same backend as ``unified``; declaring the window options lets generic tools
+    (``kvcore bench``) see that it takes them.
+    """
+
+    components: tuple[str, ...] = Field(("full", "swa"), description="tree components, full first")
+    sliding_window_size: int = Field(1024, description="attention window W in tokens (the swa component's)")
+    swa_size: int | None = Field(None, description="window-pool token slots (default: size; the swa component's)")
+
+
+class UnifiedMambaConfig(UnifiedConfig):
+    """``unified-mamba``: ``unified`` with components (full, mamba) by default."""
+
+    components: tuple[str, ...] = Field(("full", "mamba"), description="tree components, full first")

@@ -1,0 +1,45 @@
+"""Entry point ``unified`` in group ``kvcore``: the ``unified`` backend and the ``full``/``swa`` components."""
+
+from __future__ import annotations
+
+from kvcore import hookimpl
+from kvcore_unified.components import FullComponent, SWAComponent, SWAOptions
+from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedSWAConfig
+from kvcore_unified.mamba import MambaComponent, MambaOptions
+from kvcore_unified.tree import UnifiedRadixCache
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register(
+        "unified",
+        UnifiedRadixCache,
+        config=UnifiedConfig,
+        description=(
+            "One radix tree with pluggable components (full, swa, mamba, a plugin's): shared eviction "
+            "quota, cascade by priority (SGLang UnifiedRadixCache)"
+        ),
+    )
+    register(
+        "unified-swa",
+        UnifiedRadixCache,
+        config=UnifiedSWAConfig,
+        description="unified with components (full, swa) by default (its window options declared for the bench)",
+        reference="swa",
+    )
+    register(
+        "unified-mamba",
+        UnifiedRadixCache,
+        config=UnifiedMambaConfig,
+        description="unified with components (full, mamba) by default",
+        reference="mamba",
+    )
+
+
+@hookimpl
+def kvcore_register_components(register):
+    register("full", FullComponent, description="full-attention KV slots: path locks, leaf eviction by recency")
+    register("swa", SWAComponent, options=SWAOptions,
+             description="sliding-window slots: tombstones, window locks, window-only recency")
+    register("mamba", MambaComponent, options=MambaOptions,
+             description="recurrent-state slots: one per node, single-node locks, copy-on-write on match")

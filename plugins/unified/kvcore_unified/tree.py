@@ -1,0 +1,948 @@
+"""UnifiedRadixCache: one radix tree, per-node values of pluggable components.
+
+Behaviour follows SGLang 0.5.19's ``UnifiedRadixCache`` with its Python TreeCore
+(written anew here, HiCache and sessions left out):
+
+* Every node holds ``full`` slots; each other component holds a value or a tombstone
+  (:mod:`kvcore.components` is the component contract).
+* A match ends at the deepest node every component's validator accepts.
+* Eviction: each component in order (full, then the others) runs its own walk until
+  its target is met, on one shared tracker.  A leaf goes with every component it
+  holds; dropping a component from an internal node also drops the components of
+  lower priority there (Full 2 > SWA 1 > Mamba 0).  A leaf left with its full value
+  alone (a *stateless* leaf) stays.
+* Full eviction takes unlocked leaves (no component locks them) by recency.
+
+Nodes, splits, path walks, LRU lists and KV events come from :mod:`kvcore.tree`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
+from kvcore.components import TreeComponent, get_component
+from kvcore.keys import RadixKey, as_radix_key, check_token_ids
+from kvcore.record import floor_align
+from kvcore.release import free_swa_out_of_window_slots_batch
+from kvcore.tree import (
+    AllPagesCleared,
+    Node,
+    check_evict_count,
+    check_locked,
+    iter_subtree,
+    path_to_root,
+    prefix_match_len,
+    record_removed,
+    record_stored,
+    split_node,
+)
+from kvcore_unified.config import UnifiedConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvcore.config import CacheInitParams
+    from kvcore.record import Req
+
+__all__ = ["UnifiedRadixCache", "UnifiedNode", "InsertArgs", "UnifiedMatchResult", "UnifiedInsertResult",
+           "UnifiedEvictResult"]
+
+
+class UnifiedNode(Node):
+    """A tree node; components keep their per-node fields as attributes (``node_fields``)."""
+
+    __slots__ = ("creation_time", "priority", "__dict__")
+    split_copy = ("hit_count",)
+    creation_time: float
+    priority: int
+
+    if TYPE_CHECKING:
+        # The components' own fields (``TreeComponent.node_fields``): set on every new node.
+        def __getattr__(self, name: str) -> Any: ...
+
+    def __repr__(self) -> str:
+        ids = self.key if len(self.key) <= 6 else f"{self.key[:6]}...+{len(self.key) - 6}"
+        return f"<UnifiedNode {self.id} len={len(self.key)} lock_ref={self.lock_ref} key={ids}>"
+
+
+class UnifiedMatchResult(MatchResult):
+    """``MatchResult`` plus ``mamba_branching_seqlen`` (kept in ``extras``; None without a mamba component)."""
+
+    __slots__ = ()
+
+    @property
+    def mamba_branching_seqlen(self) -> int | None:
+        return self.extras.get("mamba_branching_seqlen") if self.extras else None
+
+
+@dataclass(slots=True)
+class UnifiedInsertResult(InsertResult):
+    """``InsertResult`` plus ``mamba_exist``: the tree already held a state at the key's end."""
+
+    mamba_exist: bool = False
+
+
+@dataclass(slots=True)
+class UnifiedEvictResult(EvictResult):
+    """``EvictResult`` plus ``mamba_num_evicted`` (and every other component's count in ``by_component``)."""
+
+    mamba_num_evicted: int = 0
+    by_component: dict | None = None
+
+
+@dataclass(slots=True)
+class InsertArgs:
+    """What one insert carries for the components (SGLang's InsertParams)."""
+
+    prev_prefix_len: int = 0
+    swa_evicted_seqlen: int = 0
+    mamba_value: Any = None
+    chunked: bool = False
+    priority: int = 0
+    # Filled in by the walk for the commit hooks.
+    prefix_len: int = 0
+    mamba_exist: bool = False
+    # The mamba component took a fresh state slot itself (a direct insert without mamba_value).
+    own_state: bool = False
+    # The full-only walk already claimed the new leaf's slots (strict).
+    claimed: bool = False
+
+
+class UnifiedRadixCache(BasePrefixCache):
+    """SGLang's UnifiedRadixCache; the class is its own ``create_cache`` factory."""
+
+    # What the components need of it differs (the swa component's full/window pools): typed loosely.
+    token_to_kv_pool_allocator: Any
+
+    def __init__(self, params: CacheInitParams):
+        config = cast(UnifiedConfig, params.config)
+        self.config = config
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.kv_pool = params.kv_pool
+        self.page_size = int(params.page_size)
+        self.device = torch.device(self.token_to_kv_pool_allocator.device)
+        self.disable = bool(config.disable)
+        self.strict = bool(config.strict)
+        self.enable_kv_events = bool(config.enable_kv_events)
+        names = tuple(config.components)
+        comps: list[TreeComponent] = []
+        for name in names:
+            spec = get_component(name)
+            opts = config.component_options(name)
+            comps.append(spec.factory(self, opts))
+        if not comps or comps[0].name != "full":
+            raise ValueError(f"components={names!r}: the first component must be 'full'")
+        self.components: tuple[TreeComponent, ...] = tuple(comps)
+        self.by_name = {c.name: c for c in comps}
+        self.full: Any = comps[0]  # the full component (FullComponent: added(), ...)
+        self.aux: tuple[TreeComponent, ...] = tuple(comps[1:])
+        self._node_fields: dict[str, Any] = {}
+        for c in self.aux:
+            self._node_fields.update(c.node_fields)
+        self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._events: list[Any] = []
+        self._time = 0.0
+        # While an eviction runs: the full slots it frees, given back in one call at its end.
+        self.free_batch: list[torch.Tensor] | None = None
+        for c in self.aux:
+            # What the component adds to the cache's surface (swa: sliding_window_size,
+            # swa_evictable_size(), ...; mamba: mamba_pool, ...).
+            for attr, val in c.cache_attrs().items():
+                setattr(self, attr, val)
+        self._build_empty()
+
+    # ------------------------------------------------------------------ state
+
+    def tick(self) -> float:
+        """SGLang's access-time counter: each call a new, larger time."""
+        t = self._time
+        self._time = t + 1.0
+        return t
+
+    def new_node(self, priority: int = 0) -> UnifiedNode:
+        node = UnifiedNode()
+        node.last_access_time = self.tick()
+        node.creation_time = self.tick()
+        node.priority = priority
+        for k, v in self._node_fields.items():
+            setattr(node, k, v)
+        return node
+
+    def _build_empty(self) -> None:
+        root = self.new_node()
+        root.value = self._empty
+        root.hash_value = []
+        self.root_node = root
+        self.leaves: set[UnifiedNode] = set()
+        for c in self.components:
+            c.reset_state()
+        self._empty_match = UnifiedMatchResult(self._empty, root, root, 0, {"matched_len": 0})
+
+    def reset(self) -> None:
+        """Free every node's slots and start from an empty tree (call it only when no request runs)."""
+        nodes = list(iter_subtree(self.root_node))
+        for node in nodes:
+            for c in reversed(self.components):
+                if c.has_value(node):
+                    c.free_value(node)
+        for node in nodes:
+            node.parent = None
+        self._build_empty()
+        if self.enable_kv_events:
+            self._events.append(AllPagesCleared())
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def is_chunk_cache(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ sizes
+
+    def evictable_size(self) -> int:
+        return self.full.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.full.protected_size()
+
+    def total_size(self) -> int:
+        return self.full.evictable_size() + self.full.protected_size()
+
+    def full_evictable_size(self) -> int:
+        return self.full.evictable_size()
+
+    def full_protected_size(self) -> int:
+        return self.full.protected_size()
+
+    def request_state_slots(self, kv: Any) -> int:
+        return sum(c.request_state_slots(kv) for c in self.aux)
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.aux:
+            out.update(c.stats())
+        return out
+
+    def cached_sizes(self) -> dict[str, tuple[int, int]]:
+        return {c.pool: (c.evictable_size(), c.protected_size()) for c in self.components}
+
+    def pools(self) -> list:
+        views = list(self.token_to_kv_pool_allocator.pool_views())
+        for c in self.aux:
+            views.extend(c.pool_views())
+        return views
+
+    # ------------------------------------------------------------------ keys
+
+    def _ck(self, ids: list[int], pos: int, extra_key: Any) -> Any:
+        ps = self.page_size
+        ck: Any = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+        if pos == 0 and extra_key is not None:
+            ck = (extra_key, ck)
+        return ck
+
+    # ------------------------------------------------------------------ leaves
+
+    def is_leaf(self, node: UnifiedNode) -> bool:
+        """SGLang's D-leaf: not root, no component lock, no child."""
+        if node is self.root_node or node.lock_ref > 0 or node.children:
+            return False
+        for c in self.aux:
+            if c.lock_ref(node) > 0:
+                return False
+        return True
+
+    def update_leaf(self, node: UnifiedNode) -> None:
+        if self.is_leaf(node):
+            self.leaves.add(node)
+        else:
+            self.leaves.discard(node)
+
+    # ------------------------------------------------------------------ split
+
+    def split(self, child: UnifiedNode, k: int) -> UnifiedNode:
+        """Cut ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps the rest)."""
+        up = self.new_node(child.priority)
+        ps = self.page_size
+        split_node(child, k, up, ps)
+        up.creation_time = child.creation_time
+        up.lock_ref = child.lock_ref
+        for c in self.aux:
+            c.on_split(up, child)
+        child.last_access_time = self.tick()
+        self.update_leaf(up)
+        self.update_leaf(child)
+        return up
+
+    # ------------------------------------------------------------------ match
+
+    def match_prefix(self, key: Any, cow_mamba: bool = False, req: Any = None) -> MatchResult:
+        """The longest cached prefix every component accepts (SGLang's ``match_prefix``)."""
+        rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
+        ids = rk.token_ids
+        n = floor_align(len(ids), self.page_size)
+        root = self.root_node
+        if self.disable or n == 0:
+            self._validate(rk, 0)
+            return self._finish_match(self._empty_match, cow_mamba, req)
+        aux = self.aux
+        if not aux:
+            return self._match_full(rk, ids, n)
+        validators = [c.validator() for c in aux]
+        node = root
+        pos = 0
+        values: list[torch.Tensor] = []
+        best = root
+        best_items = 0
+        best_len = 0
+        extra = rk.extra_key
+        children = root.children
+        while pos < n:
+            try:
+                child = children.get(self._ck(ids, pos, extra))
+            except TypeError:  # an unhashable element: report it the canonical way
+                check_token_ids(ids)
+                raise
+            if child is None:
+                break
+            ckey = child.key
+            plen = len(ckey)
+            if pos + plen > n or ids[pos : pos + plen] != ckey:
+                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), self.page_size)
+                # Ids that compared equal to cached (valid) ones are valid; check the rest first.
+                self._validate(rk, pos + plen)
+                child = self.split(child, plen)
+                values.append(child.value)
+                pos += plen
+                node = child
+                if not validators or all([v(node) for v in validators]):
+                    best, best_items, best_len = node, len(values), pos
+                break
+            values.append(child.value)
+            pos += plen
+            node = child
+            if not validators or all([v(node) for v in validators]):
+                best, best_items, best_len = node, len(values), pos
+            children = node.children
+        self._validate(rk, pos)
+        for c in aux:
+            c.after_match(best)
+        t = self.tick()
+        x: Any = best
+        while x is not None:
+            x.last_access_time = t
+            t -= 0.00001
+            x = x.parent
+        if best_items == 0:
+            indices = self._empty
+        elif best_items == 1:
+            indices = values[0]
+        else:
+            indices = torch.cat(values[:best_items])
+        result = UnifiedMatchResult(indices, best, best, best_len, {"matched_len": pos})
+        return self._finish_match(result, cow_mamba, req)
+
+    def _match_full(self, rk: RadixKey, ids: list[int], n: int) -> MatchResult:
+        """``match_prefix`` of a full-only tree: every node is a valid end, so the deepest one wins."""
+        path, pos, split_child, m = self._descend(ids, n, rk.extra_key)
+        self._validate(rk, pos + m)
+        if split_child is not None:
+            path.append(self.split(split_child, m))
+            pos += m
+        if not path:
+            t = self.tick()
+            self.root_node.last_access_time = t
+            return UnifiedMatchResult(self._empty, self.root_node, self.root_node, 0, {"matched_len": 0})
+        best = path[-1]
+        t = self.tick()
+        x: Any = best
+        while x is not None:
+            x.last_access_time = t
+            t -= 0.00001
+            x = x.parent
+        indices = best.value if len(path) == 1 else torch.cat([x.value for x in path])
+        return UnifiedMatchResult(indices, best, best, pos, {"matched_len": pos})
+
+    def _validate(self, rk: RadixKey, start: int) -> None:
+        """Check the ids of ``rk`` from ``start`` on (the ones before compared equal to cached ids)."""
+        if not rk.validated:
+            check_token_ids(rk.token_ids, start, refuse_bools=self.strict)
+            rk.validated = True
+
+    def _matched_len(self, ids: list, n: int, extra_key: Any) -> int:
+        """How many of ``ids[:n]`` the tree holds (to validate only the rest)."""
+        try:
+            _, pos, _, m = self._descend(ids, n, extra_key)
+        except TypeError:
+            return 0
+        return pos + m
+
+    def _finish_match(self, result: MatchResult, cow_mamba: bool, req: Any) -> MatchResult:
+        for c in self.aux:
+            result = c.finish_match(result, cow_mamba, req)
+        return result
+
+    def match_request(self, req: Req, key: Any) -> MatchResult:
+        """The engine's admission match: a plain match; components note what the request takes (Mamba's copy)."""
+        result = self.match_prefix(key)
+        for c in self.aux:
+            c.on_match_request(req, result)
+        return result
+
+    # ------------------------------------------------------------------ insert
+
+    def _check_value(self, value: Any, key_len: int, aligned: int) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            try:
+                value = torch.as_tensor(list(value), dtype=torch.int64)
+            except (TypeError, ValueError):
+                raise TypeError(f"value must be a 1-D integer tensor of slots, got {type(value).__name__}") from None
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                f"value must be a 1-D integer tensor of slots, got shape {tuple(value.shape)} dtype {value.dtype}"
+            )
+        if not aligned <= value.numel() <= key_len:
+            raise ValueError(
+                f"value has {value.numel()} slots but the key has {key_len} tokens"
+                + (f" ({aligned} page-aligned)" if aligned != key_len else "")
+            )
+        return value.to(device=self.device, dtype=torch.int64)
+
+    def insert(self, key: Any, value: torch.Tensor | None = None, prev_prefix_len: int = 0,
+               swa_evicted_seqlen: int = 0, *, mamba_value: torch.Tensor | None = None, chunked: bool = False,
+               priority: int = 0) -> InsertResult:
+        """Cache ``value`` (full slots) under ``key``; returns the length that was cached already.
+
+        As SGLang's unified tree, the insert frees the caller's duplicates itself:
+        positions ``[prev_prefix_len, prefix_len)`` of ``value`` that the tree already
+        held (``InsertResult.duplicates_freed``).  ``swa_evicted_seqlen``: the window
+        slots below it are gone (stored as window tombstones); ``mamba_value``: the
+        state slot to keep on the last node.  ``value=None`` allocates fresh slots.
+        """
+        rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
+        ids = rk.token_ids
+        ps = self.page_size
+        n = floor_align(len(ids), ps)
+        if not rk.validated and (self.aux or self.disable or n == 0 or value is None):
+            self._validate(rk, self._matched_len(ids, n, rk.extra_key))
+        for name, v in (("prev_prefix_len", prev_prefix_len), ("swa_evicted_seqlen", swa_evicted_seqlen)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+            if v % ps:
+                raise ValueError(f"{name}={v} must be a multiple of page_size={ps}")
+        if prev_prefix_len > n:
+            raise ValueError(f"prev_prefix_len={prev_prefix_len} is longer than the page-aligned key ({n} tokens)")
+        if value is None:
+            if self.disable or n == 0:
+                return InsertResult(0, self.root_node, duplicates_freed=True)
+            value = self.token_to_kv_pool_allocator.alloc(n)
+            if value is None:
+                raise RuntimeError(f"cannot allocate {n} slots for insert(value=None): the pools are full")
+            prev_prefix_len = swa_evicted_seqlen = 0
+        else:
+            value = self._check_value(value, len(ids), n)
+        if self.disable or n == 0:
+            return InsertResult(0, self.root_node, duplicates_freed=True)
+        value = value[:n]
+        ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority)
+        for c in self.aux:
+            c.check_insert(n, ins)
+        if self.strict and self.aux and n > prev_prefix_len:
+            # (A full-only tree checks only the new leaf's slots, once the walk has found them.)
+            self.token_to_kv_pool_allocator.check_claimable(value[prev_prefix_len:n])
+        for c in self.aux:
+            c.before_insert(value, ins)
+        prefix_len, last = self._insert(ids, rk.extra_key, n, value, ins, rk)
+        return UnifiedInsertResult(prefix_len, last, True, ins.mamba_exist)
+
+    def _insert(self, ids: list[int], extra_key: Any, n: int, value: torch.Tensor,
+                ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
+        root = self.root_node
+        aux = self.aux
+        root.last_access_time = self.tick()
+        if ins.priority > root.priority:
+            root.priority = ins.priority
+        node = root
+        pos = 0
+        prev = ins.prev_prefix_len
+        dups: list[torch.Tensor] = []
+        if not aux:
+            # Full alone (what most engines run): nothing consumes the caller's slots, so its
+            # duplicates are one range, freed once; no per-node component calls.
+            pos, node = self._walk_full(ids, extra_key, n, ins, rk, value)
+            if prev < pos:
+                dups.append(value[prev:pos])
+        while pos < n and aux:
+            child = node.children.get(self._ck(ids, pos, extra_key))
+            if child is None:
+                break
+            child.last_access_time = self.tick()
+            for c in aux:
+                c.touch(child)
+            ckey = child.key
+            plen = len(ckey)
+            if pos + plen > n or ids[pos : pos + plen] != ckey:
+                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), self.page_size)
+                child = self.split(child, plen)
+            if ins.priority > child.priority:
+                child.priority = ins.priority
+            value_slice = value[pos : pos + plen]
+            consumed = plen
+            for c in aux:
+                got = c.on_insert_overlap(child, plen, pos, value_slice, ins)
+                if got < consumed:
+                    consumed = got
+            dup_start = prev - pos if prev > pos else 0
+            if dup_start < consumed:
+                dups.append(value_slice[dup_start:consumed])
+            if not ins.chunked:
+                child.hit_count += 1
+            node = child
+            pos += plen
+        if dups:
+            # The caller's copies of what the tree held, in one free (SGLang frees them per node).
+            self.token_to_kv_pool_allocator.free(dups[0] if len(dups) == 1 else torch.cat(dups))
+        ins.prefix_len = pos
+        new_leaf = pos < n
+        if new_leaf:
+            node = self.add_leaf(node, ids[pos:n], extra_key, value[pos:n], ins.priority, claimed=ins.claimed)
+        for c in aux:
+            c.on_insert_commit(node, new_leaf, ins)
+        if node is not root:
+            for c in aux:
+                c.after_insert(node)
+        return pos, node
+
+    def _descend(self, ids: list[int], n: int, extra_key: Any) -> tuple[list[UnifiedNode], int, Any, int]:
+        """Read-only walk: (fully matched path, its length, the node a match ends inside or None, tokens in it)."""
+        ps = self.page_size
+        path: list[UnifiedNode] = []
+        pos = 0
+        children = self.root_node.children
+        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
+        if extra_key is not None:
+            ck = (extra_key, ck)
+        while pos < n:
+            if pos:
+                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            try:
+                child = children.get(ck)
+            except TypeError:  # an unhashable element: report it the canonical way
+                check_token_ids(ids)
+                raise
+            if child is None:
+                break
+            ckey = child.key
+            end = pos + len(ckey)
+            if end <= n and ids[pos:end] == ckey:
+                path.append(child)
+                pos = end
+                children = child.children
+                continue
+            return path, pos, child, prefix_match_len(ids, pos, ckey, min(len(ckey), n - pos), ps)
+        return path, pos, None, 0
+
+    def _walk_full(self, ids: list[int], extra_key: Any, n: int, ins: InsertArgs,
+                   rk: RadixKey | None, value: torch.Tensor) -> tuple[int, UnifiedNode]:
+        """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
+
+        A read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
+        are validated before anything changes.
+        """
+        path, pos, split_child, m = self._descend(ids, n, extra_key)
+        if rk is not None:
+            self._validate(rk, pos + m)
+        if self.strict and pos + m < n:
+            # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
+            self.token_to_kv_pool_allocator.check_claimable(value[pos + m : n], commit=True)
+            ins.claimed = True
+        prio = ins.priority
+        hit = 0 if ins.chunked else 1
+        t = self._time
+        node = self.root_node
+        for node in path:
+            node.last_access_time = t
+            t += 1.0
+            if prio > node.priority:
+                node.priority = prio
+            node.hit_count += hit
+        self._time = t
+        if split_child is not None:
+            split_child.last_access_time = self.tick()
+            node = self.split(split_child, m)
+            if prio > node.priority:
+                node.priority = prio
+            node.hit_count += hit
+            pos += m
+        return pos, node
+
+    def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: Any, value: torch.Tensor,
+                 priority: int = 0, claimed: bool = False) -> UnifiedNode:
+        node = self.new_node(priority)
+        node.parent = parent
+        node.key = key
+        node.extra_key = extra_key
+        node.value = value.clone()
+        if self.strict and not claimed:
+            self.token_to_kv_pool_allocator.claim(node.value, checked=False)
+        ps = self.page_size
+        ck = key[0] if ps == 1 else tuple(key[:ps])
+        node.ck = ck if extra_key is None or parent is not self.root_node else (extra_key, ck)
+        parent.children[node.ck] = node
+        self.full.added(node)
+        self.update_leaf(node)
+        self.update_leaf(parent)
+        if self.enable_kv_events:
+            record_stored(self._events, node, ps)
+        return node
+
+    def replace_full(self, node: UnifiedNode, new: torch.Tensor, *, free_old: str = "full") -> None:
+        """Give ``node`` the caller's full slots ``new`` in place of its own (same tokens)."""
+        alloc = self.token_to_kv_pool_allocator
+        old = node.value
+        if self.strict:
+            alloc.disown(old)
+            alloc.claim(new, checked=False)
+        node.value = new.clone()
+        if free_old == "full":
+            alloc.free_full(old)
+        else:
+            alloc.free(old)
+
+    # ------------------------------------------------------------------ locks
+
+    def _path(self, node: Any, what: str) -> list[UnifiedNode]:
+        if not isinstance(node, UnifiedNode):
+            raise TypeError(f"{what}: expected a node of this cache, got {type(node).__name__}")
+        return path_to_root(node, self.root_node, what)
+
+    def inc_lock_ref(self, node: Any) -> LockResult:
+        """Lock ``node`` for a request: each component takes its share (full: the path to the root)."""
+        lock = LockResult(0, None, {})
+        if node is None or self.disable or node is self.root_node:
+            return lock
+        path = self._path(node, "inc_lock_ref")
+        if not self.aux:
+            newly: list[UnifiedNode] = []
+            lock.delta = self.full.lock_path(path, newly)
+            return lock
+        before = [c.protected_size() for c in self.aux]
+        for c in self.components:
+            c.lock(node, lock)
+        for c, b in zip(self.aux, before):
+            lock.extras[f"{c.name}_delta"] = c.protected_size() - b
+        self.update_leaf(node)
+        return lock
+
+    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
+        if node is None or self.disable or node is self.root_node:
+            return LockResult(0)
+        path = self._path(node, "dec_lock_ref")
+        if lock is not None and lock.extras.get("released"):
+            raise ValueError(f"dec_lock_ref: this lock on {node!r} was already given back")
+        check_locked(path, node, "dec_lock_ref")
+        if not self.aux:
+            delta = self.full.unlock_path(path)
+            if lock is not None:
+                lock.extras["released"] = True
+            return LockResult(-delta)
+        before = [c.protected_size() for c in self.components]
+        released = lock.extras if lock is not None else {}
+        for c in self.components:
+            # dec_swa_lock_only gave back the window lock and the lower-priority ones already.
+            if released.get(f"{c.name}_released"):
+                continue
+            c.unlock(node, lock)
+        self.update_leaf(node)
+        if lock is not None:
+            lock.extras["released"] = True
+        deltas = [c.protected_size() - b for c, b in zip(self.components, before)]
+        return LockResult(deltas[0], None, {f"{c.name}_delta": d for c, d in zip(self.aux, deltas[1:])})
+
+    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        """Release the window part of ``lock`` early (and the lower-priority locks on ``node``)."""
+        if node is None or self.disable or node is self.root_node:
+            return LockResult(0)
+        swa = next((c for c in self.aux if c.window_lock), None)
+        if swa is None:
+            raise NotImplementedError("dec_swa_lock_only: this unified cache has no swa component")
+        self._path(node, "dec_swa_lock_only")
+        if lock is not None and (lock.extras.get("released") or lock.extras.get("swa_released")):
+            raise ValueError(f"dec_swa_lock_only: the window lock on {node!r} was already given back")
+        before = swa.protected_size()
+        swa.release_window(node, lock)  # type: ignore[attr-defined]
+        for c in self.aux:
+            if c.internal_priority < swa.internal_priority:
+                c.unlock(node, lock)
+                if lock is not None:
+                    lock.extras[f"{c.name}_released"] = True
+        if lock is not None:
+            lock.extras[f"{swa.name}_released"] = True
+        return LockResult(0, None, {"swa_delta": swa.protected_size() - before})
+
+    # ------------------------------------------------------------------ evict
+
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0, mamba_num: int = 0, **targets: int) -> EvictResult:
+        """Free at least ``num_tokens`` full slots (and the other components' targets), if it can.
+
+        Components run in order, full first, on one tracker: one that earlier cascades
+        already satisfied does not run.  Returns what each pool gained.
+        """
+        num_tokens = check_evict_count(num_tokens)
+        want = {"full": num_tokens, "swa": check_evict_count(swa_num_tokens, "swa_num_tokens"),
+                "mamba": check_evict_count(mamba_num, "mamba_num")}
+        for k, v in targets.items():
+            want[k] = check_evict_count(v, k)
+        tracker = {c.name: 0 for c in self.components}
+        if not self.disable:
+            self.free_batch = []
+            try:
+                for c in self.components:
+                    target = want.get(c.name, 0)
+                    if tracker[c.name] >= target:
+                        continue
+                    c.evict(target, tracker)
+            finally:
+                batch, self.free_batch = self.free_batch, None
+                if batch:
+                    self.token_to_kv_pool_allocator.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+        return UnifiedEvictResult(tracker["full"], tracker.get("swa", 0), tracker.get("mamba", 0), tracker)
+
+    def make_room(self, num_tokens: int) -> EvictResult:
+        """Evict each token pool's shortfall for ``num_tokens`` new tokens."""
+        alloc = self.token_to_kv_pool_allocator
+        if "swa" in self.by_name:
+            short = num_tokens - alloc.full_available_size()
+            short_swa = num_tokens - alloc.swa_available_size()
+            if short > 0 or short_swa > 0:
+                return self.evict(max(short, 0), swa_num_tokens=max(short_swa, 0))
+            return EvictResult()
+        short = num_tokens - alloc.available_size()
+        return self.evict(short) if short > 0 else EvictResult()
+
+    def delete_leaf(self, x: UnifiedNode, tracker: dict[str, int]) -> None:
+        """Remove unlocked leaf ``x`` with every component it holds (SGLang's leaf deletion)."""
+        for c in self.components:
+            if c.has_value(x):
+                tracker[c.name] += c.free_value(x)
+        self.leaves.discard(x)
+        parent = x.parent
+        del parent.children[x.ck]
+        if self.enable_kv_events:
+            record_removed(self._events, x)
+        x.value = None
+        self.update_leaf(parent)
+
+    def drop_value(self, x: UnifiedNode, trigger: TreeComponent, tracker: dict[str, int]) -> None:
+        """``trigger`` drops its value from ``x``; the lower-priority components there go too."""
+        tracker[trigger.name] += trigger.free_value(x)
+        is_leaf = x in self.leaves
+        tp = 0 if is_leaf else trigger.internal_priority
+        for c in self.aux:
+            if c is trigger or not c.has_value(x):
+                continue
+            if (0 if is_leaf else c.internal_priority) > tp:
+                continue
+            if c.internal_priority >= trigger.internal_priority and c.lock_ref(x) != 0:
+                continue
+            tracker[c.name] += c.free_value(x)
+        self.update_leaf(x)
+
+    # ------------------------------------------------------------------ window frees
+
+    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
+        swa = next((c for c in self.aux if c.window_lock), None)
+        if swa is None:
+            return 0
+        if pre_lens is None:
+            pre_lens = [req.kv.kv_allocated_len for req in reqs]
+        return free_swa_out_of_window_slots_batch(
+            reqs, pre_lens, sliding_window_size=swa.window,  # type: ignore[attr-defined]
+            page_size=self.page_size, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, is_chunk_cache=False)
+
+    # ------------------------------------------------------------------ requests
+
+    def _row(self, kv: Any) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+
+    def _check_req_lock(self, req: Req, what: str) -> None:
+        node = req.last_node
+        if not isinstance(node, UnifiedNode) or node is self.root_node or self.disable:
+            return
+        lock = req.lock if isinstance(req.lock, LockResult) else None
+        if lock is not None and lock.extras.get("released"):
+            raise ValueError(
+                f"{what}: request {req.rid!r}'s lock on {node!r} was already given back; nothing was changed")
+        check_locked(self._path(node, what), node, what)
+
+    def _release_req_lock(self, req: Req) -> None:
+        node = req.last_node
+        if isinstance(node, UnifiedNode) and node is not self.root_node:
+            lock = req.lock if isinstance(req.lock, LockResult) else None
+            self.dec_lock_ref(node, lock)
+
+    def _req_ids(self, req: Req, n: int) -> list[int]:
+        ids = req.fill_ids
+        if len(ids) < n:
+            raise ValueError(f"request {req.rid!r} has {len(ids)} tokens but kv_committed_len={n}")
+        return ids[:n]
+
+    def _prepare(self, req: Req, n: int, finished: bool) -> tuple[InsertArgs, int]:
+        ins = InsertArgs(req.kv.cache_protected_len, 0, None, False, int(getattr(req, "priority", 0) or 0))
+        eff = n
+        for c in self.aux:
+            cut = c.prepare_insert(req, ins, finished)
+            if cut is not None and cut < eff:
+                eff = cut
+        return ins, eff
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """Insert what ``req`` committed and drop its lock (SGLang's ``cache_finished_req``)."""
+        kv = req.kv
+        committed = kv.kv_committed_len
+        protected = kv.cache_protected_len
+        if self.disable:
+            self.free_kv_row(kv, [(protected, committed)])
+            self._release_req_lock(req)
+            for c in self.aux:
+                c.after_cache_req(req, True, None, None)
+            req.last_node = None
+            req.lock = None
+            return
+        self._check_req_lock(req, "cache_finished_req")
+        ids = self._req_ids(req, committed)
+        ins = None
+        result = None
+        if is_insert:
+            ins, eff = self._prepare(req, committed, True)
+            aligned = floor_align(min(eff, committed), self.page_size)
+            if self.strict and self.aux and aligned > protected:
+                self.token_to_kv_pool_allocator.check_claimable(
+                    self._row(kv)[protected:aligned].to(torch.int64), what=f"request {req.rid!r}")
+            values = self._row(kv)[:aligned].to(torch.int64, copy=True)
+            if aligned > 0:
+                prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins)
+                result = InsertResult(prefix_len, last, duplicates_freed=True)
+            # The unaligned tail, and what a component cut off the insert (SGLang frees both).
+            start = max(aligned, protected)
+            if committed > start:
+                self.free_kv_row(kv, [(start, committed)])
+        else:
+            self.free_kv_row(kv, [(protected, committed)])
+        self._release_req_lock(req)
+        for c in self.aux:
+            c.after_cache_req(req, True, ins, result)
+        req.last_node = None
+        req.lock = None
+
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        """Insert ``fill_ids[:kv_committed_len]`` of a running request, re-match it and move its lock."""
+        kv = req.kv
+        committed = kv.kv_committed_len
+        row = self._row(kv)
+        if self.disable:
+            req.prefix_indices = row[:committed].to(torch.int64, copy=True)
+            return
+        self._check_req_lock(req, "cache_unfinished_req")
+        ids = self._req_ids(req, committed)
+        ins, eff = self._prepare(req, committed, False)
+        ins.chunked = chunked
+        if eff <= 0:
+            req.prefix_indices = row[:committed].to(torch.int64, copy=True)
+            for c in self.aux:
+                c.after_cache_req(req, False, ins, None)
+            return
+        aligned = floor_align(eff, self.page_size)
+        protected = kv.cache_protected_len
+        if self.strict and self.aux and aligned > protected:
+            self.token_to_kv_pool_allocator.check_claimable(
+                row[protected:aligned].to(torch.int64), what=f"request {req.rid!r}")
+        values = row[:aligned].to(torch.int64, copy=True)
+        key = RadixKey(ids[:aligned], req.extra_key)
+        prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins) if aligned else (0, None)
+        m = self.match_prefix(key, cow_mamba=False, req=req)
+        new = m.device_indices
+        new_len = int(new.numel())
+        new_node = m.last_device_node
+        if last is not None and new_len < aligned:
+            # A window-limited re-match (too few live window tokens after a tombstone): SGLang takes
+            # the shorter match, leaving [new_len, aligned) owned by the tree *and* the request, whose
+            # next insert would then free the tree's slots as its duplicates.  As the swa backend
+            # does, the prefix and the lock come from the inserted path instead.
+            new = self._path_values(last)
+            new_len = aligned
+            new_node = last
+        if new_len < protected:
+            raise AssertionError(f"request {req.rid!r}: re-match found {new_len} < protected {protected}")
+        if new_len > protected:
+            row[protected:new_len] = new[protected:].to(row.dtype)
+        self._release_req_lock(req)
+        lock = self.inc_lock_ref(new_node)
+        if new_len < committed:
+            req.prefix_indices = torch.cat([new, row[new_len:committed].to(torch.int64)])
+        else:
+            req.prefix_indices = new
+        kv.cache_protected_len = new_len
+        req.last_node = new_node
+        req.lock = lock
+        for c in self.aux:
+            c.after_cache_req(req, False, ins, InsertResult(prefix_len, last))
+
+    def _path_values(self, node: UnifiedNode) -> torch.Tensor:
+        parts = []
+        root = self.root_node
+        while node is not root:
+            parts.append(node.value)
+            node = node.parent
+        if not parts:
+            return self._empty
+        parts.reverse()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # ------------------------------------------------------------------ introspection
+
+    def _nodes(self) -> Iterator[UnifiedNode]:
+        return iter_subtree(self.root_node)
+
+    def iter_owned_slots(self) -> Iterator[SlotOwner]:
+        for node in self._nodes():
+            for c in self.components:
+                if c.has_value(node):
+                    yield from c.owned_slots(node)
+
+    def sanity_check(self) -> None:
+        """Recount every component's sizes and check the tree's structure (debug/tests)."""
+        root = self.root_node
+        for x in self._nodes():
+            n = len(x.key)
+            assert n > 0 and n % self.page_size == 0 and x.value is not None and x.value.numel() == n, x
+            assert x.parent is not None and x.parent.children.get(x.ck) is x, x
+            assert (x in self.leaves) == self.is_leaf(x), (x, x in self.leaves)
+            for c in self.components:
+                c.check(x)
+        for c in self.components:
+            c.check_totals(root)
+
+    def pretty_print(self) -> str:
+        lines: list[str] = []
+
+        def walk(node: UnifiedNode, depth: int) -> None:
+            for child in node.children.values():
+                flags = " ".join(f"{c.name}={'T' if not c.has_value(child) else c.lock_ref(child)}" for c in self.aux)
+                lines.append("  " * depth + f"{child!r} {flags}")
+                walk(child, depth + 1)
+
+        walk(self.root_node, 0)
+        text = "\n".join(lines)
+        print(text)
+        return text
+
