@@ -78,7 +78,7 @@ pools the cache must be built on, ``check_options`` cross-checks its options.
 
 The other hooks (``touch``, ``after_match``, ``after_insert``, ``finish_match``,
 ``on_match_request``, ``check_insert``, ``before_insert``, ``check``, ``check_totals``,
-``stats``, ``request_state_slots``) have do-nothing defaults; see each docstring.
+``stats``, ``request_state_slots``, ``backup_request_state``) have do-nothing defaults; see each docstring.
 ``tests/test_components.py`` has a complete third-party component in ~100 lines.
 """
 
@@ -225,6 +225,15 @@ class TreeComponent:
     def request_state_slots(self, kv: Any) -> int:
         """Slots of the component's own pool a request record holds (Mamba: its state slots); 0 by default."""
         return 0
+
+    def backup_request_state(self, req: Any) -> Any:
+        """A host copy of what the request holds in the component's own pool, for a retraction
+        (``BasePrefixCache.backup_request_state``; Mamba: its state slot); None by default."""
+        return None
+
+    def restore_request_state(self, req: Any, state: Any) -> None:
+        """Write a ``backup_request_state`` copy into what the request holds now."""
+        raise NotImplementedError(f"component {self.name!r} keeps no per-request state to restore")
 
     def stats(self) -> dict[str, int]:
         """Counters for ``cache.stats()`` (Mamba: ``cow_copies``)."""

@@ -82,8 +82,9 @@ Two more ways out:
   ``req.reset_for_retract()`` (SGLang's): the released record is reset in place,
   keeping ``swa_evict_floor`` (the prefill-aware window floor) and its retraction
   backup; no prefix, node or lock; ``retraction_count`` one more.
-  ``output_ids`` are kept (SGLang recomputes prompt and output); a replaying
-  scheduler clears them itself.  ``mode="offload"`` first copies the K/V of
+  ``output_ids`` are kept: SGLang recomputes prompt and output, and so does
+  re-admitting it here (``admit`` matches ``fill_ids``, ``extend`` prefills the
+  rest of prompt + outputs, then it decodes on).  ``mode="offload"`` first copies the K/V of
   ``[0, seqlen - 1)`` and the cache's per-request state to the host
   (``Req.offload_kv_cache`` into ``kv.retraction_backup``); ``resume(req)`` later
   takes a row and slots again and loads it back (``Req.load_kv_cache``), so the

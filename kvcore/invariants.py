@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,8 +114,8 @@ class InvariantChecker:
                     f"req_to_token row {idx} is held by both {_owner_name(held_rows[idx])} and {name}"
                 )
             held_rows[idx] = owner
-        if len(free_rows) + len(held_rows) != r2t.size:
-            lost = sorted(set(range(1, r2t.size + 1)) - free_row_set - set(held_rows))
+        if len(free_rows) + len(held_rows) != r2t.num_rows:
+            lost = sorted(set(range(1, r2t.num_rows + 1)) - free_row_set - set(held_rows))
             raise InvariantViolation(
                 f"req_to_token rows leaked: {lost[:8]} are neither free nor held by any owner passed in"
             )
@@ -151,106 +151,158 @@ class InvariantChecker:
             slots = pool.translate(slots)
         return slots, count
 
+    def _owned(self, pool: PoolView, live, idle, row_page: int) -> Iterator[tuple[str, torch.Tensor, str, int]]:
+        """Every owner of slots in ``pool``, one at a time: (name, slots as int64 on the CPU, bucket, count).
+
+        Records first (bucket ``uncached`` or ``session``), then the cache's own
+        nodes (bucket ``cache``, count 0).  Nothing is kept: the check streams over
+        it and walks it again only to name the owners of a page found wrong.
+        """
+        for group, bucket in ((live, "uncached"), (idle, "session")):
+            for owner, kv in group:
+                if kv.is_held:
+                    slots, count = self._record_slots(pool, kv, row_page)
+                    yield _owner_name(owner), slots.to(torch.int64).cpu(), bucket, count
+        try:
+            for so in self.cache.iter_owned_slots():
+                if so.pool == pool.name:
+                    yield so.owner, so.slots.to(torch.int64).cpu(), "cache", 0
+        except (IndexError, ValueError) as exc:  # a node's slot id the pools cannot even map
+            raise InvariantViolation(f"[{pool.name}] a cached slot lies outside the pool: {exc}") from exc
+
     def _check_pool(self, pool: PoolView, cached: tuple[int, int], live, idle, row_page: int) -> PoolReport:
+        """Slot-level proof, in pages: each usable page is free exactly once or owned by exactly one owner.
+
+        Memory is one int32 count per page (the free list is read as the
+        allocator hands it out; owners stream through in chunks), so checking an
+        8M-slot pool costs about 4 bytes a page on top of the free list.  Per page
+        the count holds ``free + 2 * owners`` (free: 0 or 1, a double free is
+        noted before the owners are counted), so a sound page holds 1 or 2.
+        """
         alloc = pool.allocator
         page = pool.page_size
         num_pages = int(alloc.num_pages)
         total = pool.capacity
-        free = alloc.free_slots().to(torch.int64).cpu()
-        owners: list[tuple[str, torch.Tensor]] = []
-        uncached = session_held = 0
-        for group, bucket in ((live, "uncached"), (idle, "session")):
-            for owner, kv in group:
-                if not kv.is_held:
-                    continue
-                slots, count = self._record_slots(pool, kv, row_page)
-                if bucket == "uncached":
-                    uncached += count
-                else:
-                    session_held += count
-                owners.append((_owner_name(owner), slots.cpu()))
-        try:
-            for so in self.cache.iter_owned_slots():
-                if so.pool == pool.name:
-                    owners.append((so.owner, so.slots.to(torch.int64).cpu()))
-        except (IndexError, ValueError) as exc:  # a node's slot id the pools cannot even map
-            raise InvariantViolation(f"[{pool.name}] a cached slot lies outside the pool: {exc}") from exc
-
-        report = PoolReport(pool.name, total, int(alloc.available_size()), cached[0], cached[1], session_held, uncached)
-
-        # Ids outside the pool are reported by name before counting (bincount cannot take them).
         limit = (num_pages + 1) * page
-        for name, s in [("the free list", free), *owners]:
-            if s.numel():
-                outside = s[(s < 0) | (s >= limit)]
-                if outside.numel():
-                    where = "is in the free list" if name == "the free list" else f"is owned by {name}"
-                    raise InvariantViolation(
-                        f"[{pool.name}] slot {int(outside[0])} {where} but lies outside the pool "
-                        f"(slots {page}..{limit - 1})"
-                    )
-        claimed = pool.allocator.claimed_slots() if isinstance(pool.allocator, TokenToKVPoolAllocator) else None
-
-        # Slot-level proof, in pages: each usable page is free exactly once or owned by exactly one owner.
-        free_pages = torch.div(free, page, rounding_mode="floor")
-        free_count = torch.bincount(free_pages, minlength=num_pages + 1)
-        if page > 1:
-            free_count = torch.div(free_count, page, rounding_mode="floor")
-        owned = [torch.div(s, page, rounding_mode="floor").unique() for _, s in owners if s.numel()]
-        owned_pages = torch.cat(owned) if owned else torch.empty((0,), dtype=torch.int64)
-        owned_count = torch.bincount(owned_pages, minlength=num_pages + 1)
-
-        def who(p: int) -> list[str]:
-            return [
-                name for name, s in owners if s.numel() and bool((torch.div(s, page, rounding_mode="floor") == p).any())
-            ]
 
         def slot_text(p: int) -> str:
             return f"slot {p}" if page == 1 else f"page {p} (slots {p * page}-{p * page + page - 1})"
 
-        if free_count.numel() > num_pages + 1 or owned_count.numel() > num_pages + 1:
-            bad = int(torch.cat([free_pages, owned_pages]).max())
-            raise InvariantViolation(f"[{pool.name}] {slot_text(bad)} is outside the pool (pages 1..{num_pages})")
-        if int(free_count[0]) or int(owned_count[0]):
+        def outside(s: torch.Tensor, where: str) -> None:
+            # Ids outside the pool are reported by name before counting (index_add_ cannot take them).
+            if s.numel() and (int(s.min()) < 0 or int(s.max()) >= limit):
+                bad = s[(s < 0) | (s >= limit)]
+                raise InvariantViolation(
+                    f"[{pool.name}] slot {int(bad[0])} {where} but lies outside the pool (slots {page}..{limit - 1})"
+                )
+
+        cnt = torch.zeros(num_pages + 1, dtype=torch.int32)
+        one = torch.ones(1, dtype=torch.int32)
+
+        # 1. The free list: slots per page, then 0/1 per page once a double free is noted.
+        free = alloc.free_slots()
+        free = free.cpu() if free.dtype == torch.int64 else free.to(torch.int64).cpu()
+        outside(free, "is in the free list")
+        for i in range(0, free.numel(), _CHUNK):
+            c = free[i : i + _CHUNK]
+            if page > 1:
+                c = torch.div(c, page, rounding_mode="floor")
+            cnt.index_add_(0, c, one.expand(c.numel()))
+        del free
+        if page > 1:
+            cnt.floor_divide_(page)  # a page is free when all its slots are
+        twice_free = _first(cnt, lambda c: c > 1)
+        cnt.clamp_(max=1)
+
+        # 2. The owners: 2 per distinct page each owner holds, in chunks of about _CHUNK slots.
+        uncached = session_held = 0
+        pending: list[torch.Tensor] = []
+        queued = 0
+        for name, slots, bucket, count in self._owned(pool, live, idle, row_page):
+            if bucket == "uncached":
+                uncached += count
+            elif bucket == "session":
+                session_held += count
+            if not slots.numel():
+                continue
+            outside(slots, f"is owned by {name}")
+            pages = torch.div(slots, page, rounding_mode="floor") if page > 1 else slots
+            pending.append(pages.unique())
+            queued += pending[-1].numel()
+            if queued >= _CHUNK:
+                c = torch.cat(pending) if len(pending) > 1 else pending[0]
+                cnt.index_add_(0, c, one.expand(c.numel()), alpha=2)
+                pending, queued = [], 0
+        if pending:
+            c = torch.cat(pending) if len(pending) > 1 else pending[0]
+            cnt.index_add_(0, c, one.expand(c.numel()), alpha=2)
+        del pending
+
+        report = PoolReport(pool.name, total, int(alloc.available_size()), cached[0], cached[1], session_held, uncached)
+
+        def who(p: int) -> list[str]:
+            return [
+                name
+                for name, s, _, _ in self._owned(pool, live, idle, row_page)
+                if s.numel() and bool((torch.div(s, page, rounding_mode="floor") == p).any())
+            ]
+
+        if int(cnt[0]):
             names = who(0)
             where = f"owned by {', '.join(names)}" if names else "in the free list"
             raise InvariantViolation(f"[{pool.name}] padding {slot_text(0)} is {where}")
-        twice_free = (free_count > 1).nonzero()
-        if twice_free.numel():
-            p = int(twice_free[0])
-            raise InvariantViolation(f"[{pool.name}] {slot_text(p)} is in the free list twice (double free)")
-        both = ((free_count > 0) & (owned_count > 0)).nonzero()
-        if both.numel():
-            p = int(both[0])
-            raise InvariantViolation(
-                f"[{pool.name}] {slot_text(p)} is in the free list but owned by {', '.join(who(p))} (use after free)"
-            )
-        shared = (owned_count > 1).nonzero()
-        if shared.numel():
-            p = int(shared[0])
-            raise InvariantViolation(
-                f"[{pool.name}] {slot_text(p)} is owned by more than one owner: {', '.join(who(p))}"
-            )
-        lost = ((free_count == 0) & (owned_count == 0)).nonzero().flatten()
-        lost = lost[lost > 0]
-        if lost.numel():
-            p = int(lost[0])
+        if twice_free is not None:
+            raise InvariantViolation(f"[{pool.name}] {slot_text(twice_free)} is in the free list twice (double free)")
+        if _first(cnt, lambda c: (c < 1) | (c > 2), start=1) is not None:
+            # Something is wrong: name the first page of the first kind, as a reader expects.
+            p = _first(cnt, lambda c: (c >= 3) & (c % 2 == 1), start=1)
+            if p is not None:
+                raise InvariantViolation(
+                    f"[{pool.name}] {slot_text(p)} is in the free list but owned by {', '.join(who(p))} "
+                    "(use after free)"
+                )
+            p = _first(cnt, lambda c: c >= 4, start=1)
+            if p is not None:
+                raise InvariantViolation(
+                    f"[{pool.name}] {slot_text(p)} is owned by more than one owner: {', '.join(who(p))}"
+                )
+            lost = int((cnt[1:] == 0).sum())
+            p = _first(cnt, lambda c: c == 0, start=1)
+            assert p is not None  # a page below 1 that is not 0: the only kind left
             raise InvariantViolation(
                 f"[{pool.name}] {slot_text(p)} leaked: not in the free list and owned by no node, request or "
-                f"session ({lost.numel()} page(s) leaked in all); {report}"
+                f"session ({lost} page(s) leaked in all); {report}"
             )
+        del cnt
         if not report.balanced:
             raise InvariantViolation(f"[{pool.name}] pool does not balance: {report}")
+        claimed = alloc.claimed_slots() if isinstance(alloc, TokenToKVPoolAllocator) else None
         if claimed is not None and claimed.numel():
             # A slot a tree claimed (strict mode) must still be one its nodes hold.
-            tree = [so.slots.to(torch.int64).cpu() for so in self.cache.iter_owned_slots() if so.pool == pool.name]
             held = torch.zeros(limit, dtype=torch.bool)
-            if tree:
-                held[torch.cat(tree)] = True
-            stale = claimed.cpu()[~held[claimed.cpu()]]
-            if stale.numel():
+            for so in self.cache.iter_owned_slots():
+                if so.pool == pool.name:
+                    held.index_fill_(0, so.slots.to(torch.int64).cpu(), True)
+            claimed = claimed.cpu()
+            stale = [c[~held[c]] for c in claimed.split(_CHUNK)]
+            n_stale = sum(int(c.numel()) for c in stale)
+            if n_stale:
+                first = next(int(c[0]) for c in stale if c.numel())
                 raise InvariantViolation(
-                    f"[{pool.name}] slot {int(stale[0])} is claimed by the cache in the allocator but no node "
-                    f"holds it ({stale.numel()} such slot(s))"
+                    f"[{pool.name}] slot {first} is claimed by the cache in the allocator but no node "
+                    f"holds it ({n_stale} such slot(s))"
                 )
         return report
+
+
+# Slots (or pages) handled per step: bounds the checker's temporaries on large pools.
+_CHUNK = 1 << 20
+
+
+def _first(cnt: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor], start: int = 0) -> int | None:
+    """The first index ``>= start`` of ``cnt`` where ``bad`` holds, read in chunks; None if there is none."""
+    for i in range(start, cnt.numel(), _CHUNK):
+        hit = bad(cnt[i : i + _CHUNK]).nonzero()
+        if hit.numel():
+            return i + int(hit[0])
+    return None

@@ -18,7 +18,7 @@ _SIGNED_CODES = frozenset("bhilq")
 _INT_CODES = _UNSIGNED_CODES | _SIGNED_CODES
 _LITTLE = sys.byteorder == "little"
 # From this many ids on, numpy (when importable) rules out 0/1 faster than a set probe per id.
-_NUMPY_SCAN_FROM = 256
+_NUMPY_SCAN_FROM = 96
 try:
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy comes with torch in practice
@@ -269,7 +269,8 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
 def _maybe_zero_one(rest: list, converted: array) -> bool:
     """Whether ``rest`` may hold a 0 or 1 (so possibly a bool); False is certain."""
     if _np is not None and len(rest) >= _NUMPY_SCAN_FROM:
-        return bool(_np.frombuffer(converted, dtype=_np.uint64).min() <= 1)
+        u = _np.frombuffer(converted, _np.uint64)
+        return bool(u[u.argmin()] <= 1)  # argmin and one read: a fraction of min()'s reduction overhead
     return not _ZERO_ONE.isdisjoint(rest)
 
 

@@ -112,3 +112,83 @@ def test_slot_owned_twice():
     other.kv.kv_allocated_len = other.kv.kv_committed_len = 2
     with pytest.raises(InvariantViolation, match="owned by more than one owner: request 'victim', request 'copycat'"):
         InvariantChecker(cache).check([req, other])
+
+
+# ---------------------------------------------------------------------------- chunked counting
+# The checker counts owners and the free list in chunks of kvcore.invariants._CHUNK slots (one int32 count per
+# page, no pool-size int64 temporaries): with tiny chunks every violation is still found and named.
+
+
+@pytest.fixture(params=[None, 3], ids=["one-chunk", "chunks-of-3"])
+def chunk(request, monkeypatch):
+    import kvcore.invariants as inv
+
+    if request.param is not None:
+        monkeypatch.setattr(inv, "_CHUNK", request.param)
+    return request.param
+
+
+def _tree_cache(n_reqs=5, length=7, page_size=1):
+    from kvcore.engine import Engine
+
+    cache = create_cache("radix", size=128, page_size=page_size, max_num_reqs=8, max_context_len=64)
+    eng = Engine(cache)
+    live = []
+    for i in range(n_reqs):
+        r = Req(f"r{i}", list(range(100 * i, 100 * i + length)))
+        assert eng.admit(r) and eng.extend(r)
+        if i % 2:
+            live.append(r)
+        else:
+            eng.finish(r)
+    for _ in range(3):  # the running requests hold decoded slots the tree does not
+        assert eng.decode(live) == len(live)
+    return cache, live
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunked_count_passes_a_tree_with_requests(chunk, page_size):
+    cache, live = _tree_cache(page_size=page_size)
+    (report,) = InvariantChecker(cache).check(live)
+    assert report.balanced and report.evictable > 0 and report.uncached > 0
+
+
+def test_chunked_count_names_each_violation(chunk):
+    cache, req, slots = cache_with_request()
+    lost = cache.token_to_kv_pool_allocator.alloc(2)
+    with pytest.raises(InvariantViolation, match=rf"slot {int(lost[0])} leaked.*2 page\(s\) leaked in all"):
+        InvariantChecker(cache).check([req])
+
+    cache, req, slots = cache_with_request()
+    cache.token_to_kv_pool_allocator.free(slots[2:3])
+    with pytest.raises(InvariantViolation, match=rf"slot {int(slots[2])} is in the free list but owned by "
+                                                 r"request 'victim' \(use after free\)"):
+        InvariantChecker(cache).check([req])
+
+    cache, req, slots = cache_with_request()
+    free_slot = int(cache.token_to_kv_pool_allocator.free_slots()[-1])
+    cache.token_to_kv_pool_allocator = _DoubleFreeView(cache.token_to_kv_pool_allocator, free_slot)
+    with pytest.raises(InvariantViolation, match=rf"slot {free_slot} is in the free list twice"):
+        InvariantChecker(cache).check([req])
+
+
+def test_a_tree_node_sharing_a_request_slot_is_named(chunk):
+    cache, live = _tree_cache()
+    node_slot = int(next(iter(cache.iter_owned_slots())).slots[0])
+    victim = live[0]
+    # Its last decoded slot (which only it owns) now names a node's slot: that one leaks, the node's is shared.
+    cache.req_to_token_pool.req_to_token[victim.kv.req_pool_idx, victim.kv.kv_allocated_len - 1] = node_slot
+    with pytest.raises(InvariantViolation, match=rf"slot {node_slot} is owned by more than one owner: request "
+                                                 f"'{victim.rid}', radix node"):
+        InvariantChecker(cache).check(live)
+
+
+def test_padding_and_outside_slots_are_named(chunk):
+    cache, req, slots = cache_with_request()
+    row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    row[5] = 0
+    with pytest.raises(InvariantViolation, match="padding slot 0 is owned by request 'victim'"):
+        InvariantChecker(cache).check([req])
+    row[5] = 1000
+    with pytest.raises(InvariantViolation, match="slot 1000 is owned by request 'victim' but lies outside the pool"):
+        InvariantChecker(cache).check([req])

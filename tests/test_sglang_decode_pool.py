@@ -2,8 +2,8 @@
 
 Random alloc / free sequences, both pools fed the same records: the rows handed
 out, the free list and the refusals must agree.  Needs SGLang 0.5.19's source
-(``$KVCORE_SGLANG_SRC``); skipped otherwise.  Documented differences: kvcore's
-``size`` counts every row (SGLang's ``size`` is kvcore's ``running_size``), and
+(``$KVCORE_SGLANG_SRC``); skipped otherwise.  ``size`` is the running rows in
+both (kvcore's ``num_rows`` counts every row).  Documented difference:
 kvcore refuses a double free or a foreign row with ValueError where SGLang
 corrupts its free list.
 """
@@ -60,7 +60,7 @@ def _pair(cls, size: int, pre: int, width: int = 8):
 def test_shape_and_first_rows(sg_pool_cls):
     ours, theirs = _pair(sg_pool_cls, 3, 2)
     assert tuple(ours.req_to_token.shape) == tuple(theirs.req_to_token.shape) == (6, 8)
-    assert ours.running_size == theirs.size == 3 and ours.pre_alloc_size == theirs.pre_alloc_size == 2
+    assert ours.size == theirs.size == 3 and ours.pre_alloc_size == theirs.pre_alloc_size == 2
     assert ours.free_rows() == theirs.free_slots and ours.available_size() == theirs.available_size()
 
 

@@ -10,17 +10,26 @@ import torch
 import kvcore.tree as kt
 from kvcore import RadixKey
 from kvcore.tree import (
+    KVEventLog,
     LRUList,
     Node,
+    alloc_value,
     check_locked,
     check_token_ids,
     checked_key,
+    checked_value,
     child_key,
+    descend,
+    edge_match_len,
     iter_subtree,
+    join_values,
     lock_path,
     path_to_root,
+    path_values,
     prefix_match_len,
+    request_ids,
     split_node,
+    tree_lines,
     unlock_path,
 )
 from kvcore.tree.events import (
@@ -271,6 +280,43 @@ def test_lru_touch_path_orders_parents_older_and_skips_non_members():
     assert list(lru) == [other, p, leaf] and mid not in lru
 
 
+@pytest.mark.parametrize("limit", [0, 1, 4, 5, 8, 9, 12, 13, 100, None])
+def test_lru_touch_path_with_a_token_limit_touches_only_the_deepest_part(limit):
+    def build():
+        lru = LRUList(Linked, lock="lock_ref")
+        root = Linked()
+        nodes = {name: Linked(name) for name in ("p", "mid", "leaf", "o")}
+        for name in ("p", "mid", "leaf"):
+            nodes[name].key = [0] * 4
+        nodes["mid"].parent, nodes["leaf"].parent, nodes["p"].parent = nodes["p"], nodes["mid"], root
+        for name in ("p", "leaf", "o"):
+            lru.add_mru(nodes[name])  # mid is not in this list (its tokens still count)
+        names = {id(x): name for name, x in nodes.items()}
+        return lru, root, nodes["leaf"], names
+
+    lru, root, leaf, names = build()
+    lru.touch_path(leaf, root, limit)
+    # Reference (SGLang's "last W + page tokens" touch): walk up while fewer than `limit`
+    # tokens were passed, then touch the picked nodes root side first.
+    ref, ref_root, x, ref_names = build()
+    picked, acc = [], 0
+    while x is not ref_root and (limit is None or acc < limit):
+        if x in ref:
+            picked.append(x)
+        acc += len(x.key)
+        x = x.parent
+    for x in reversed(picked):
+        ref.touch(x)
+    got = [names[id(x)] for x in lru]
+    assert got == [ref_names[id(x)] for x in ref]
+    if limit == 0:
+        assert got == ["p", "leaf", "o"]  # nothing touched
+    elif limit is not None and limit <= 8:
+        assert got == ["p", "o", "leaf"]  # the leaf alone: p lies past the limit
+    else:
+        assert got == ["o", "p", "leaf"]  # the whole path, the child more recent than its parent
+
+
 # ---------------------------------------------------------------- events
 
 
@@ -373,8 +419,101 @@ def test_a_toy_tree_from_the_kit_matches_a_reference(page_size):
             ids = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
         # The longest page-aligned prefix shared with anything inserted before in the same namespace.
         best = max((reference_len(ids, 0, k, len(ids), page_size) for e, k in seen if e == extra), default=0)
+        # The read-only walk finds the same length and changes nothing.
+        shape = [(x.id, len(x.key)) for x in iter_subtree(tree.root)]
+        n = len(ids) - len(ids) % page_size
+        path, pos, inside, m = descend(tree.root, ids, n, page_size, extra)
+        assert pos + m == best and [(x.id, len(x.key)) for x in iter_subtree(tree.root)] == shape
+        assert [t for x in path for t in x.key] == ids[:pos]
+        if inside is None:
+            assert m == 0
+        else:
+            assert 0 < m < len(inside.key) and m == edge_match_len(ids, pos, inside.key, n, page_size)
+        assert all(edge_match_len(ids, sum(len(y.key) for y in path[:i]), x.key, n, page_size) == len(x.key)
+                   for i, x in enumerate(path))
         assert tree.match(ids, extra) == best
         assert tree.insert(ids, extra) == best
         seen.append((extra, ids[: len(ids) - len(ids) % page_size]))
     for node in iter_subtree(tree.root):
         assert node.parent.children[node.ck] is node and len(node.key) % page_size == 0 and node.key
+
+
+def test_descend_edge_cases():
+    root = Node([], torch.empty(0, dtype=torch.int64))
+    assert descend(root, [], 0) == ([], 0, None, 0)
+    assert descend(root, [1, 2], 2) == ([], 0, None, 0)
+    a = Node([1, 2, 3, 4], torch.arange(4), root, 1)
+    root.children[1] = a
+    assert descend(root, [1, 2, 3, 4, 5], 4) == ([a], 4, None, 0)
+    assert descend(root, [1, 2, 9, 9], 4) == ([], 0, a, 2)
+    assert descend(root, [1, 2, 9, 9], 4, page_size=2) == ([], 0, None, 0)  # no edge starts with (1, 2)
+    with pytest.raises(TypeError):
+        descend(root, [[1], 2], 2)  # unhashable: reported by check_token_ids
+
+
+def test_value_helpers():
+    empty = torch.empty(0, dtype=torch.int64)
+    a, b = torch.arange(3), torch.arange(3, 5)
+    assert join_values([], empty) is empty and join_values([a], empty) is a
+    assert join_values([a, b], empty).tolist() == [0, 1, 2, 3, 4]
+    root, x = chain()
+    y = Node([9, 9], torch.tensor([7, 8]), x, 9)
+    x.children[9] = y
+    assert path_values(root, root, empty) is empty and path_values(x, root, empty) is x.value
+    assert path_values(y, root, empty).tolist() == list(range(100, 108)) + [7, 8]
+    assert checked_value([1, 2, 3], 4, 3, "cpu").tolist() == [1, 2, 3]
+    assert checked_value(torch.tensor([1, 2], dtype=torch.int32), 2, 2, "cpu").dtype == torch.int64
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        checked_value(torch.ones(2), 2, 2, "cpu")
+    with pytest.raises(TypeError, match="got str"):
+        checked_value("ab", 2, 2, "cpu")
+    with pytest.raises(ValueError, match=r"value has 2 slots but the key has 5 tokens \(4 page-aligned\)"):
+        checked_value([1, 2], 5, 4, "cpu")
+
+
+def test_tree_lines_lists_depth_first_in_children_order():
+    root = Node()
+    a, b = Node([1], None, root, 1), Node([2], None, root, 2)
+    c = Node([3], None, a, 3)
+    root.children = {1: a, 2: b}
+    a.children = {3: c}
+    assert tree_lines(root, lambda x: str(x.key[0])) == ["1", "  3", "2"]
+    assert tree_lines(Node()) == []
+
+
+def test_request_ids_and_alloc_value():
+    class R:
+        rid = "r1"
+        fill_ids = [5, 6, 7]
+
+    assert request_ids(R(), 2) == [5, 6] and request_ids(R(), 3) == [5, 6, 7]
+    with pytest.raises(ValueError, match="request 'r1' has 3 tokens but kv_committed_len=4"):
+        request_ids(R(), 4)
+
+    class Pool:
+        def __init__(self, free):
+            self.free = free
+
+        def alloc(self, n):
+            if n > self.free:
+                return None
+            self.free -= n
+            return torch.arange(n)
+
+    assert alloc_value(Pool(4), 3).tolist() == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="cannot allocate 5 slots for insert\\(value=None\\)"):
+        alloc_value(Pool(4), 5)
+
+
+def test_kv_event_log_takes_and_clears():
+    class Log(KVEventLog):
+        def __init__(self, on):
+            self.enable_kv_events, self._events = on, []
+
+    log = Log(True)
+    log._events.append(PageRemoved("h"))
+    log.record_cleared()
+    assert log.take_events() == [PageRemoved("h"), AllPagesCleared()] and log.take_events() == []
+    off = Log(False)
+    off.record_cleared()
+    assert off.take_events() == []

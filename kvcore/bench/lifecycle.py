@@ -3,7 +3,10 @@
 ``--retract-mode offload`` retracts a decoding request with a host copy of its KV
 (``Engine.retract(req, mode="offload")``) and resumes it later without
 recomputing its prefix (``Engine.resume``); ``recompute`` (the default) re-admits
-it and prefills it again.  The report counts the bytes each way.
+it as SGLang does: the request keeps its outputs, matches ``fill_ids = prompt +
+outputs`` and prefills the rest of it in one extend (chunked like a prompt), then
+decodes on.  The report counts the bytes offloaded and the positions loaded back
+or prefilled again.
 
 ``--workload pd-decode`` runs the decode side of disaggregated serving: a request
 arrives as a KV transfer from a prefill server.  The decode server pre-allocates
@@ -31,13 +34,11 @@ RETRACT_MODES = ("recompute", "offload")
 
 
 def retract_job(loop: _Loop, job: _Job) -> None:
-    """Retract ``job`` with the loop's mode; a recompute forgets the outputs (the loop replays them)."""
+    """Retract ``job`` with the loop's mode; the outputs stay (recompute prefills prompt + outputs again)."""
     req = job.req
     with loop.bt:
         backup = loop.engine.retract(req, mode=loop.cfg.retract_mode)
-    if backup is None:
-        req.output_ids = []
-    else:
+    if backup is not None:
         loop.res.retract_offload_bytes += backup.nbytes
         loop.res.retract_offload_tokens += backup.num_tokens
 
@@ -107,14 +108,18 @@ class PdDecode:
                     del waiting[i]
                     continue
                 break
-            prompt = len(req.origin_input_ids) + len(req.output_ids)
-            need = ceil_align(prompt, loop.ps) if loop.ps > 1 else prompt
+            # A recompute-retracted request comes back as a rebootstrap: the prefill server recomputes
+            # prompt + outputs but the last one (SGLang's seqlen - 1), whose KV the next decode step writes.
+            fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+            need = ceil_align(fill, loop.ps) if loop.ps > 1 else fill
             if loop.r2t.available_size() == 0 or any(need > room for room in loop._rooms()):
                 break
             with loop.bt:
                 dst = loop.engine.pre_alloc(req)
             if dst is None:
                 break
+            if req.output_ids:
+                req.output_ids = req.output_ids[:-1]  # the loop's convention: allocated == seqlen
             if job.prefix_len < 0:
                 job.prefix_len = 0
             self.wait_steps += max(0, step - job.spec.arrival)

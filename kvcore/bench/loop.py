@@ -126,11 +126,16 @@ def build_cache(cfg: BenchConfig, workload: Workload):
     return cache, opts
 
 
+def _fill_len(req: Req) -> int:
+    """Positions a prefill computes: the prompt, plus the outputs so far after a recompute retraction."""
+    return len(req.origin_input_ids) + len(req.output_ids)
+
+
 class _Job:
     """A request in the loop.  While decoding, its length is ``off + G`` (G: decode rounds so far),
     so per-token bookkeeping is written into the record lazily (``_sync``) before anyone reads it."""
 
-    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "off", "end_g", "gen")
+    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "off", "end_g", "gen", "computed")
 
     def __init__(self, spec: RequestSpec, seq: int):
         self.spec = spec
@@ -141,6 +146,7 @@ class _Job:
         self.off = 0
         self.end_g = 0
         self.gen = 0  # bumped when the job leaves the running set; stale heap entries are skipped
+        self.computed = 0  # positions whose KV was computed so far (prefilled again after a recompute retraction)
 
     @property
     def req(self) -> Req:
@@ -270,8 +276,7 @@ class _Loop:
         full = self.sum_end - len(self.running) * self.G
         window = min(full, len(self.running) * (self.window + self.cfg.swa_interval))
         if self.chunked is not None:
-            kv = self.chunked.req.kv
-            left = len(self.chunked.req.origin_input_ids) - kv.kv_allocated_len
+            left = _fill_len(self.chunked.req) - self.chunked.req.kv.kv_allocated_len
             full += left
             window += left
         r = self.new_token_ratio
@@ -289,16 +294,24 @@ class _Loop:
 
     # ------------------------------------------------------------ prefill
     def _extend(self, job: _Job, n: int) -> bool:
-        """Prefill ``n`` more prompt positions of ``job``; False when memory is short."""
+        """Prefill ``n`` more positions of ``job``'s ``fill_ids``; False when memory is short.
+
+        ``fill_ids`` is the prompt, or, after a recompute retraction, the prompt
+        and the outputs so far (SGLang re-prefills both in one extend).
+        """
         req = job.req
-        end = req.kv.kv_allocated_len + n
+        start = req.kv.kv_allocated_len
+        end = start + n
         with self.bt:
             # A prompt that finished prefill goes into the tree now (as SGLang's scheduler does),
             # so requests arriving while it decodes can share it.
             ok = self.engine.extend(req, end)
         if not ok:
             return False
-        if end < len(req.origin_input_ids):
+        if end > start and start < job.computed:
+            self.res.retract_recomputed_tokens += min(end, job.computed) - start
+        job.computed = max(job.computed, end)
+        if end < _fill_len(req):
             self.chunked = job
         else:
             self.chunked = None
@@ -317,12 +330,11 @@ class _Loop:
         # A waiting request holds nothing (a retracted one keeps its record: reset_for_retract kept its floor).
         req.last_node = None
         req.lock = None
-        prompt = req.origin_input_ids
         with self.bt:
-            m = engine.match(req)
+            m = engine.match(req)  # on fill_ids: a recompute-retracted request matches prompt + outputs
             prefix_len = m.prefix_len
             rooms = self._rooms()
-        first = min(budget, len(prompt) - prefix_len)
+        first = min(budget, _fill_len(req) - prefix_len)
         ps = self.ps
         need = ceil_align(prefix_len + first, ps) - ceil_align(prefix_len, ps) if ps > 1 else first
         if any(need > room for room in rooms):
@@ -346,7 +358,7 @@ class _Loop:
 
     def _unadmit(self, job: _Job) -> None:
         """Undo an admission (or retract): everything back, nothing cached, the request reset for recompute."""
-        retract_job(self, job)  # --retract-mode: recompute (outputs replayed) or offload
+        retract_job(self, job)  # --retract-mode: recompute (prompt + outputs prefilled again) or offload
         job.admitted = False
         if self.chunked is job:
             self.chunked = None
@@ -358,8 +370,7 @@ class _Loop:
         used = 0
         job = self.chunked
         if job is not None:
-            kv = job.req.kv
-            n = min(budget, len(job.req.origin_input_ids) - kv.kv_allocated_len)
+            n = min(budget, _fill_len(job.req) - job.req.kv.kv_allocated_len)
             if not self._extend(job, n):
                 return 0
             budget -= n
@@ -411,6 +422,7 @@ class _Loop:
 
     def _leave(self, job: _Job) -> None:
         self._sync(job)
+        job.computed = max(job.computed, job.req.kv.kv_allocated_len)
         self.running.remove(job)
         self.sum_end -= job.end_g
         job.gen += 1
@@ -669,7 +681,7 @@ class _Loop:
         res.prompt_tokens = self.workload.prompt_tokens
         res.output_tokens = self.workload.output_tokens
         res.leaked_slots = self.metrics.final_pools()
-        res.leaked_rows = self.r2t.size - self.r2t.available_size()
+        res.leaked_rows = self.r2t.num_rows - self.r2t.available_size()
         res.backend_stats = dict(self.backend.stats())
         self.running = []
         self.chunked = None

@@ -31,6 +31,7 @@ class RunResult:
     retract_offload_bytes: int = 0
     retract_offload_tokens: int = 0
     retract_loaded_tokens: int = 0
+    retract_recomputed_tokens: int = 0  # positions prefilled again after a recompute retraction
     # --workload pd-decode: requests pre-allocated, and the steps they waited for it (the prefill side blocked)
     pd_preallocated: int = 0
     pd_wait_steps: int = 0

@@ -6,6 +6,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, NoReturn, Protocol
 
+import numpy as np
 import torch
 
 from kvcore.pools.views import PoolView
@@ -113,10 +114,18 @@ class TokenToKVPoolAllocator:
         self._ring = torch.empty(self.num_pages, dtype=torch.int64, device=device)
         # Per page id: 1 when free, 0 when handed out (page 0 never is free).
         self._free_cnt = torch.zeros(self.num_pages + 1, dtype=torch.int32, device=device)
+        # On the CPU the ownership check reads the maps through numpy views sharing their memory:
+        # a numpy op costs a fraction of a torch op's dispatch at these sizes.
+        self._on_cpu = self._torch_device.type == "cpu"
+        self._free_np = self._free_cnt.numpy() if self._on_cpu else None
         self._ones = torch.ones(self.num_pages, dtype=torch.int32, device=device)
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
-        # Per slot id: 1 when a cache (a tree node) owns the slot -- see claim().  Made on first use.
+        # Per slot id: non-zero when a cache (a tree node) owns the slot -- see claim().  Made on first use.
         self._owned: torch.Tensor | None = None
+        self._owned_np: np.ndarray | None = None
+        # 1, 2, 3, ... (int32) and their bytes: the CPU check writes them and reads them back.
+        self._stamps = np.arange(1, 1, dtype=np.int32)
+        self._stamp_bytes = b""
         self._slot_ones: torch.Tensor | None = None
         self._slot_zeros = torch.empty(0, dtype=torch.int32, device=device)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -268,14 +277,15 @@ class TokenToKVPoolAllocator:
 
     # ---- ownership by a cache ----------------------------------------------
 
-    def _owner_map(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._owned is None or self._slot_ones is None:
+    def _owner_map(self) -> torch.Tensor:
+        owned = self._owned
+        if owned is None:
             n = self.size + self.page_size
-            self._owned = torch.zeros(n, dtype=torch.int32, device=self.device)
-            self._owned[: self.page_size] = 1  # the padding page: never claimable
-            self._slot_ones = torch.ones(n, dtype=torch.int32, device=self.device)
-            self._slot_zeros = torch.zeros(n, dtype=torch.int32, device=self.device)
-        return self._owned, self._slot_ones
+            owned = self._owned = torch.zeros(n, dtype=torch.int32, device=self.device)
+            owned[: self.page_size] = 1  # the padding page: never claimable
+            if self._on_cpu:
+                self._owned_np = owned.numpy()
+        return owned
 
     def _ones_zeros(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``k`` ones and ``k`` zeros (int32), cached: slicing costs as much as a check op."""
@@ -283,7 +293,10 @@ class TokenToKVPoolAllocator:
         if views is None:
             if len(self._views) >= 64:
                 self._views.clear()
-            assert self._slot_ones is not None
+            if self._slot_ones is None:  # made on first use (on the CPU only a non-int64 slot tensor needs them)
+                n = self.size + self.page_size
+                self._slot_ones = torch.ones(n, dtype=torch.int32, device=self.device)
+                self._slot_zeros = torch.zeros(n, dtype=torch.int32, device=self.device)
             views = self._views[k] = (self._slot_ones[:k], self._slot_zeros[:k])
         return views
 
@@ -292,18 +305,32 @@ class TokenToKVPoolAllocator:
 
         A claimable slot is in range (not padding), handed out (not in the free
         list), named once, and not already claimed by a cache (another tree node).
-        With ``commit`` the slots are claimed too: ``disown`` gives them up.  Costs
-        three index operations (gather free counts, scatter-add ownership, gather
-        it back) and two ``torch.equal`` tests per call, whatever its size.
+        With ``commit`` the slots are claimed too: ``disown`` gives them up.
+
+        On the CPU (an int64 slot tensor) the maps are read through numpy views:
+        one max for the range, a gather of the owner and free maps (both must be
+        all zero), then the slots are stamped 1, 2, 3, ... in the owner map and
+        read back: a slot named twice holds one stamp for two positions.  Else
+        three torch index operations: gather free counts, scatter-add ownership,
+        gather it back (every count must then be 1).
         """
         k = slots.numel()
         if k == 0:
             return
         owned = self._owned
         if owned is None:
-            owned = self._owner_map()[0]
+            owned = self._owner_map()
         if k > owned.numel():  # more slots than the pool has: some are bad or named twice
             self._raise_unclaimable(slots, what)
+        onp = self._owned_np
+        if onp is not None and slots.dtype is torch.int64:
+            try:
+                s = slots.numpy()
+            except (TypeError, RuntimeError):  # not a plain CPU tensor: the torch path below
+                pass
+            else:
+                self._check_claimable_np(onp, s, slots, commit, what)
+                return
         try:
             # Bounds-checked (negative ids too) before anything is written: the page table
             # covers exactly the slot range, padding page included.
@@ -320,6 +347,30 @@ class TokenToKVPoolAllocator:
             owned.index_add_(0, slots, ones, alpha=-1)
         if not ok:
             self._raise_unclaimable(slots, what)
+
+    def _check_claimable_np(self, onp: np.ndarray, s: np.ndarray, slots: torch.Tensor, commit: bool,
+                            what: str) -> None:
+        """``check_claimable`` through the numpy views (``s`` shares ``slots``' memory)."""
+        u = s.view(np.uint64)  # a negative id becomes huge: one max bounds both ends
+        if u[u.argmax()] >= onp.size:
+            self._raise_unclaimable(slots, what)
+        shift = self._page_shift
+        pages = s if shift == 0 else (s >> shift if shift > 0 else s // self.page_size)
+        # Owner map: padding page 1, claimed slots non-zero; free counts: 1 per free page.
+        if np.count_nonzero(onp[s]) or np.count_nonzero(self._free_np[pages]):  # type: ignore[index]
+            self._raise_unclaimable(slots, what)
+        k = s.size
+        stamps = self._stamps
+        if stamps.size < k:
+            stamps = self._stamps = np.arange(1, min(max(k, 2 * stamps.size, 1024), onp.size) + 1, dtype=np.int32)
+            self._stamp_bytes = stamps.tobytes()
+        onp[s] = stamps[:k]
+        # Every position reads its own stamp back iff no slot is named twice.
+        if onp[s].tobytes() != self._stamp_bytes[: 4 * k]:
+            onp[s] = 0
+            self._raise_unclaimable(slots, what)
+        if not commit:
+            onp[s] = 0
 
     def _raise_unclaimable(self, slots: torch.Tensor, what: str) -> NoReturn:
         p = self.page_size
@@ -344,7 +395,7 @@ class TokenToKVPoolAllocator:
         if checked:
             self.check_claimable(slots, commit=True)
         elif slots.numel():
-            self._owner_map()[0].index_fill_(0, slots, 1)
+            self._owner_map().index_fill_(0, slots, 1)
 
     def disown(self, slots: torch.Tensor) -> None:
         """A cache gives up ``slots`` (before freeing them); ids outside the pool are ignored."""
@@ -362,7 +413,7 @@ class TokenToKVPoolAllocator:
         """Every slot a cache claimed and has not disowned, ascending."""
         if self._owned is None:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        return self._owned[self.page_size :].nonzero().flatten() + self.page_size
+        return self._owned[self.page_size :].nonzero().flatten().add_(self.page_size)
 
     # ---- alloc / free ------------------------------------------------------
 

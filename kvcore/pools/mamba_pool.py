@@ -13,16 +13,19 @@ a streaming session that adopts the record adopts the state slot with it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, Field, field_validator
 
 from kvcore.pools.allocator import TokenToKVPoolAllocator
 from kvcore.pools.req_to_token import ReqToTokenPool
 
-__all__ = ["COMPONENT", "MambaPool", "MambaState", "MambaReqState", "HybridReqToTokenPool", "mamba_state_of"]
+__all__ = ["COMPONENT", "MambaPool", "MambaState", "MambaReqState", "HybridReqToTokenPool", "MambaRequestStates",
+           "MambaStateOptions", "mamba_state_of"]
 
 #: The key of the per-request state in ``ReqKvInfo.components``.
 COMPONENT = "mamba"
@@ -285,3 +288,233 @@ class HybridReqToTokenPool(ReqToTokenPool):
         comp = owner.kv.components.get(COMPONENT)
         if comp is not None and (comp.mamba_pool_idx is not None or comp.mamba_ping_pong_track_buffer is not None):
             self.free_mamba_cache(owner.kv)
+
+
+class MambaRequestStates:
+    """What a Mamba tree does with the state slots its requests hold, whichever tree it is.
+
+    Shared by the ``mamba`` backend and the ``unified`` backend's mamba component: the
+    state a newly admitted request starts from (:meth:`prepare_admitted_state`), SGLang's
+    extra-buffer tracking (:meth:`track`, page_size > 1), the tracked slot donated to the
+    tree (:meth:`donate_tracked`), a fresh slot with eviction (:meth:`alloc_slot`) and the
+    host copies of a retraction backup (:meth:`backup` / :meth:`restore`).
+    ``evict_states(n)``: the tree's state eviction.  Counters: ``cow_copies``,
+    ``state_clears``, ``state_snapshots``, ``snapshot_skips``.
+    """
+
+    def __init__(self, r2t: HybridReqToTokenPool, *, page_size: int, chunk_size: int, track_interval: int,
+                 evict_states: Callable[[int], Any]) -> None:
+        self.r2t = r2t
+        self.pool = r2t.mamba_pool
+        self.page_size = int(page_size)
+        self.chunk_size = int(chunk_size)
+        self.extra_buffer = bool(r2t.extra_buffer)
+        # SGLang's mamba_checkpoint_grid (prefill) and mamba_track_grid (decode).
+        self.checkpoint_grid = math.lcm(self.chunk_size, self.page_size)
+        self.decode_track_grid = math.lcm(self.checkpoint_grid, int(track_interval))
+        self.evict_states = evict_states
+        self.cow_copies = 0
+        self.state_clears = 0
+        self.state_snapshots = 0
+        self.snapshot_skips = 0
+        # The request table asks the tree for room in the state pool and lets it fill a new slot.
+        r2t.evict_states = evict_states
+        r2t.prepare_state = self.prepare_admitted_state
+
+    def stats(self) -> dict[str, int]:
+        return {"cow_copies": self.cow_copies, "state_clears": self.state_clears,
+                "state_snapshots": self.state_snapshots, "snapshot_skips": self.snapshot_skips}
+
+    def alloc_slot(self) -> torch.Tensor | None:
+        """One fresh state slot, evicting one unlocked tree state if none is free; None if none can be had."""
+        slot = self.pool.alloc(1)
+        if slot is None:
+            self.evict_states(1)
+            slot = self.pool.alloc(1)
+        return slot
+
+    def prepare_admitted_state(self, kv: Any) -> None:
+        """A request just got its state slot: copy the matched node's state (COW) or zero it."""
+        comp = mamba_state_of(kv)
+        assert comp is not None and comp.mamba_pool_idx is not None
+        node, comp.cow_node = comp.cow_node, None
+        dst = comp.mamba_pool_idx.reshape(1)
+        if node is not None and node.mamba_value is not None and node.parent is not None:
+            self.pool.copy_from(node.mamba_value, dst)
+            self.cow_copies += 1
+        else:
+            self.pool.clear_slots(dst)
+            self.state_clears += 1
+        comp.mamba_cow_src_index = None
+        comp.mamba_needs_clear = False
+
+    # -- extra-buffer mode (page_size > 1) -------------------------------------------
+    def track(self, req: Any) -> int | None:
+        """Replay SGLang's scheduler tracking over what ``req`` computed since the last call.
+
+        SGLang's scheduler decides, around each forward, whether the kernel writes a state
+        snapshot into the request's next ping-pong slot (``mamba_next_track_idx``): a prefill
+        extend of at least one checkpoint grid (``lcm(chunk, page)``) snapshots at
+        ``start + L // grid * grid`` (or at ``mamba_branching_seqlen`` when that lies inside the
+        extend, a whole number of chunks from its start), a decode step that reaches a multiple of
+        ``lcm(grid, mamba_track_interval)`` snapshots there; each snapshot records
+        ``mamba_last_track_idx`` / ``mamba_last_track_seqlen`` and flips the next index.
+        kvcore has no forward: a scheduler may call this after each forward, and the caches'
+        ``cache_unfinished_req`` / ``cache_finished_req`` call it first to catch up: the span
+        computed since the previous call counts as one prefill extend (the part inside the
+        prompt) followed by decode steps.  The snapshot's contents are the request's running
+        state at this call.  Returns the latest tracked length, or None.  No-op at page size 1.
+        """
+        comp = mamba_state_of(req.kv)
+        if not self.extra_buffer or comp is None or comp.mamba_ping_pong_track_buffer is None:
+            return None
+        kv = req.kv
+        start = comp.mamba_tracked_len if comp.mamba_tracked_len is not None else kv.cache_protected_len
+        end = kv.kv_committed_len
+        if end <= start:
+            return comp.mamba_last_track_seqlen
+        tracked = False
+        prompt_end = min(end, len(req.origin_input_ids))
+        grid = self.checkpoint_grid
+        # SGLang: an extend of L >= grid tokens snapshots at start + L // grid * grid (its chunks
+        # start on pages; kvcore's may not, so the start is floored to its page first).
+        if prompt_end - start >= grid:
+            seqlen = start - start % self.page_size + (prompt_end - start) // grid * grid
+            br = comp.mamba_branching_seqlen
+            if br is not None and start < br < prompt_end and (br - start) % self.chunk_size == 0:
+                seqlen = br
+            nxt = comp.mamba_next_track_idx
+            assert nxt is not None
+            comp.mamba_last_track_idx = nxt
+            comp.mamba_next_track_idx = 1 - nxt
+            comp.mamba_last_track_seqlen = seqlen
+            tracked = True
+        dstart = max(start, len(req.origin_input_ids))
+        dgrid = self.decode_track_grid
+        crossings = end // dgrid - dstart // dgrid if end > dstart else 0
+        if crossings > 0:
+            nxt = comp.mamba_next_track_idx
+            assert nxt is not None
+            last = nxt if crossings % 2 else 1 - nxt
+            comp.mamba_last_track_idx = last
+            comp.mamba_next_track_idx = 1 - last
+            comp.mamba_last_track_seqlen = end // dgrid * dgrid
+            tracked = True
+        comp.mamba_tracked_len = end
+        if tracked and comp.mamba_pool_idx is not None:
+            keep = comp.mamba_last_track_idx
+            assert keep is not None
+            self.pool.copy_from(comp.mamba_pool_idx.reshape(1), comp.mamba_ping_pong_track_buffer[keep].reshape(1))
+            self.state_snapshots += 1
+        return comp.mamba_last_track_seqlen
+
+    def tracked_slot(self, comp: MambaReqState) -> torch.Tensor:
+        """A copy of the ping-pong slot holding the latest tracked snapshot (one-slot tensor)."""
+        keep = comp.mamba_last_track_idx
+        assert keep is not None and comp.mamba_ping_pong_track_buffer is not None
+        return comp.mamba_ping_pong_track_buffer[keep].reshape(1).clone()
+
+    def donate_tracked(self, comp: MambaReqState) -> torch.Tensor | None:
+        """SGLang's ``donate_mamba_ping_pong_slot``: hand the tracked slot over, a fresh one in its place.
+
+        None (``snapshot_skips`` counted, nothing changed) when no slot is free or evictable:
+        SGLang asserts there; kvcore leaves the snapshot uncached.
+        """
+        new_slot = self.alloc_slot()
+        if new_slot is None:
+            self.snapshot_skips += 1
+            return None
+        donated = self.tracked_slot(comp)
+        keep = comp.mamba_last_track_idx
+        assert keep is not None and comp.mamba_ping_pong_track_buffer is not None
+        comp.mamba_ping_pong_track_buffer[keep] = new_slot[0]
+        return donated
+
+    # -- retraction backups ------------------------------------------------------------
+    def backup(self, req: Any) -> Any:
+        """A host copy of the request's own state slot (conv states, temporal state), or None without one."""
+        comp = mamba_state_of(req.kv)
+        if comp is None or comp.mamba_pool_idx is None:
+            return None
+        idx = comp.mamba_pool_idx.reshape(1).to(torch.int64)
+        cache = self.pool.mamba_cache
+        return {"conv": [t[:, idx].to("cpu", copy=True) for t in cache.conv],
+                "temporal": cache.temporal[:, idx].to("cpu", copy=True)}
+
+    def restore(self, req: Any, state: Any) -> None:
+        """Write a :meth:`backup` copy into the state slot the request holds now (ValueError without one)."""
+        comp = mamba_state_of(req.kv)
+        if comp is None or comp.mamba_pool_idx is None:
+            raise ValueError(
+                f"restore_request_state: request {req.rid!r} holds no state slot "
+                "(req.kv.components['mamba'].mamba_pool_idx); admit it through kvcore.Engine or a "
+                "HybridReqToTokenPool first"
+            )
+        idx = comp.mamba_pool_idx.reshape(1).to(torch.int64)
+        cache = self.pool.mamba_cache
+        for t, saved in zip(cache.conv, state["conv"]):
+            t[:, idx] = saved.to(t.device)
+        cache.temporal[:, idx] = state["temporal"].to(cache.temporal.device)
+        # The slot holds the backed-up state now: nothing to copy or clear before the next forward.
+        comp.mamba_cow_src_index = None
+        comp.mamba_needs_clear = False
+        comp.cow_node = None
+
+    @staticmethod
+    def slots_held(kv: Any) -> int:
+        """State slots the record holds: its own and its ping-pong tracking slots."""
+        comp = mamba_state_of(kv)
+        return 0 if comp is None else int(comp.slots().numel())
+
+
+class MambaStateOptions(BaseModel):
+    """The state pool's options: the ``mamba`` backend's config and the ``unified`` mamba component take these.
+
+    ``mamba_size`` state slots (default four per request row, six with pages: each request
+    then also holds two ping-pong tracking slots), ``mamba_cache_chunk_size`` (where a
+    branching snapshot is taken), the state shapes (``mamba_num_layers`` layers, one conv
+    state per entry of ``mamba_conv_shapes`` and one temporal state of
+    ``mamba_temporal_shape``, in ``mamba_dtype``) and ``mamba_track_interval`` (page_size > 1:
+    decode keeps a snapshot every this many tokens).
+    """
+
+    mamba_size: int | None = Field(None, description="state slots (default: 4 x max_num_reqs; 6 x with page_size > 1)")
+    mamba_cache_chunk_size: int = Field(64, gt=0, description="branching snapshots are floored to this many tokens")
+    mamba_num_layers: int = Field(2, gt=0, description="Mamba layers (each keeps one state per slot)")
+    mamba_conv_shapes: tuple[tuple[int, ...], ...] = Field(((6, 3),), description="conv state shape(s) per layer")
+    mamba_temporal_shape: tuple[int, ...] = Field((2, 4, 4), description="temporal (SSM) state shape per layer")
+    mamba_dtype: Literal["float16", "bfloat16", "float32"] = Field("float32", description="state dtype")
+    mamba_track_interval: int = Field(
+        256, gt=0, description="page_size > 1: decode keeps a state snapshot every this many tokens (SGLang's default)"
+    )
+
+    @field_validator("mamba_size")
+    @classmethod
+    def _check_mamba_size(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"mamba_size must be a positive number of state slots, got {value}")
+        return value
+
+    def check_state_options(self, page_size: int) -> None:
+        """ValueError naming the option when the state options do not fit ``page_size`` or are not shapes."""
+        if page_size > 1 and self.mamba_cache_chunk_size % page_size:
+            raise ValueError(
+                f"mamba_cache_chunk_size={self.mamba_cache_chunk_size} must be a multiple of page_size="
+                f"{page_size}: with pages the state snapshots (SGLang's extra-buffer mode) are taken at "
+                "chunk boundaries, which must be page boundaries (SGLang's chunk size is max(model chunk, page))"
+            )
+        if not self.mamba_conv_shapes or any(not s or min(s) <= 0 for s in self.mamba_conv_shapes):
+            raise ValueError(f"mamba_conv_shapes={self.mamba_conv_shapes!r}: give one or more positive shapes")
+        if not self.mamba_temporal_shape or min(self.mamba_temporal_shape) <= 0:
+            raise ValueError(f"mamba_temporal_shape={self.mamba_temporal_shape!r} must be a positive shape")
+
+    def build_hybrid_req_to_token_pool(self, *, max_num_reqs: int, max_context_len: int, page_size: int,
+                                       device: str | torch.device) -> HybridReqToTokenPool:
+        """The state pool and the request table over it (extra-buffer mode with pages, SGLang's)."""
+        extra = page_size > 1
+        size = self.mamba_size if self.mamba_size is not None else (6 if extra else 4) * max_num_reqs
+        pool = MambaPool(size, num_layers=self.mamba_num_layers, conv_shapes=self.mamba_conv_shapes,
+                         temporal_shape=self.mamba_temporal_shape, dtype=getattr(torch, self.mamba_dtype),
+                         device=device)
+        return HybridReqToTokenPool(max_num_reqs, max_context_len, device=device, mamba_pool=pool,
+                                    extra_buffer=extra)

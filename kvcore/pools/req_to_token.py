@@ -26,6 +26,8 @@ class ReqToTokenPool:
         if size <= 0 or max_context_len <= 0:
             raise ValueError(f"size={size} and max_context_len={max_context_len} must be positive")
         self.size = size
+        # Rows the table hands out (row 0 is padding); DecodeReqToTokenPool adds its pre-allocation rows.
+        self.num_rows = size
         self.max_context_len = max_context_len
         self.device = device
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
@@ -33,10 +35,10 @@ class ReqToTokenPool:
 
     def clear(self) -> None:
         # The flag list makes double-free checks O(1); row 0 is padding, never free.
-        self._free: list[int] = list(range(1, self.size + 1))
-        self._is_free = [False] + [True] * self.size
+        self._free: list[int] = list(range(1, self.num_rows + 1))
+        self._is_free = [False] + [True] * self.num_rows
         # The record (ReqKvInfo) each row was handed to, so a release can check it is the holder.
-        self._holder: list[Any] = [None] * (self.size + 1)
+        self._holder: list[Any] = [None] * (self.num_rows + 1)
 
     def available_size(self) -> int:
         return len(self._free)
@@ -47,7 +49,7 @@ class ReqToTokenPool:
     def holds(self, kv: Any) -> bool:
         """True when ``kv`` (a ReqKvInfo) holds one of this pool's rows, handed to it by ``alloc``."""
         row = kv.req_pool_idx
-        return row is not None and 1 <= row <= self.size and self._holder[row] is kv
+        return row is not None and 1 <= row <= self.num_rows and self._holder[row] is kv
 
     def write(self, indices: Any, values: Any) -> None:
         self.req_to_token[indices] = values
@@ -88,8 +90,8 @@ class ReqToTokenPool:
         row = owner.kv.req_pool_idx
         if row is None:
             raise ValueError(f"{_name(owner)} holds no req_to_token row")
-        if not 1 <= row <= self.size:
-            raise ValueError(f"{_name(owner)} holds row {row}, outside the pool's rows 1..{self.size}")
+        if not 1 <= row <= self.num_rows:
+            raise ValueError(f"{_name(owner)} holds row {row}, outside the pool's rows 1..{self.num_rows}")
         if self._is_free[row]:
             raise ValueError(f"row {row} of {_name(owner)} is already free (double free)")
         if self._holder[row] is not owner.kv:
@@ -106,14 +108,10 @@ class DecodeReqToTokenPool(ReqToTokenPool):
     ``size`` rows for running requests plus ``pre_alloc_size`` rows for requests
     pre-allocated while their KV is still being transferred from a prefill
     server, so that pre-allocation (which unblocks the prefill side) does not wait
-    for a running request to finish.  The scheduler keeps ``#running <=
-    running_size``; the pool hands out any of its rows.  As in SGLang, rows are
-    taken from the head of the free list and freed rows go to its tail (a queue,
-    where ``ReqToTokenPool`` is a stack).
-
-    Difference from SGLang: ``size`` is every row the table holds (``size +
-    pre_alloc_size`` of the constructor, what the invariant checker and the bench
-    count for every pool); SGLang's ``size`` (the running rows) is ``running_size``.
+    for a running request to finish.  The scheduler keeps ``#running <= size``;
+    the pool hands out any of its ``num_rows`` (``size + pre_alloc_size``) rows.
+    As in SGLang, rows are taken from the head of the free list and freed rows go
+    to its tail (a queue, where ``ReqToTokenPool`` is a stack).
     """
 
     def __init__(
@@ -126,7 +124,7 @@ class DecodeReqToTokenPool(ReqToTokenPool):
         if size <= 0 or pre_alloc_size < 0:
             raise ValueError(f"size={size} must be positive and pre_alloc_size={pre_alloc_size} not negative")
         super().__init__(size + pre_alloc_size, max_context_len, device)
-        self.running_size = size
+        self.size = size  # SGLang's meaning: the running requests' rows
         self.pre_alloc_size = pre_alloc_size
 
     def _take(self, n: int) -> list[int]:

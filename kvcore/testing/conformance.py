@@ -405,7 +405,7 @@ class PrefixCacheConformance:
     def test_all_slots_back_after_reset(self, build, page_size):
         cache = build()
         total = pool_total(cache)
-        rows = cache.req_to_token_pool.size
+        rows = cache.req_to_token_pool.num_rows
         rng = random.Random(11)
         base = _toks(rng, 2 * page_size)
         reqs = [make_req(f"r{i}", base + _toks(rng, rng.randrange(1, 3 * page_size))) for i in range(6)]
@@ -482,7 +482,7 @@ class CacheStateMachine(RuleBasedStateMachine):
         self.cache = build(pages=48, rows=6, width_pages=12)
         self.reuse = (not self.cache.is_chunk_cache()) if reuse is None else reuse
         self.total = pool_total(self.cache)
-        self.rows = self.cache.req_to_token_pool.size
+        self.rows = self.cache.req_to_token_pool.num_rows
         self.live: list = []
         self.locks: list = []
         self.counter = 0

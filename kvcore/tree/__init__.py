@@ -1,6 +1,6 @@
 """The tree kit: what every radix-tree prefix cache needs, for kvcore's backends and yours.
 
-kvcore's ``radix`` and ``swa`` backends are built on it; a third-party tree
+kvcore's ``radix``, ``swa`` and ``unified`` backends are built on it; a third-party tree
 backend (a new eviction scheme, a new kind of per-node state) uses the same
 pieces and keeps only its own policy code.  Everything here is plain functions
 and ``__slots__`` classes: no per-call dispatch on the hot path.
@@ -14,7 +14,8 @@ Keys
     C (:func:`token_id_list`); ``key.same_prefix(other, n)`` compares two keys
     without converting arrays.  Keys with different ``extra_key`` never share a prefix.
     :func:`check_evict_count` (an ``evict`` count: TypeError for a non-int,
-    ValueError when negative).
+    ValueError when negative); :func:`request_ids` (a request's first ``n``
+    ``fill_ids``: ValueError naming it when it holds fewer).
 
 Slots a tree keeps
     With the common ``strict`` option on (the default), a tree claims the slots
@@ -42,6 +43,13 @@ Walking a key
             pos += m
             break
 
+    :func:`edge_match_len` is the two steps on one edge (the whole-edge
+    comparison, then :func:`prefix_match_len`; below ``len(key)``: split there).
+    :func:`descend` is that walk read-only (``(path, pos, child, m)``: the whole
+    edges matched, their length, the edge a match ends inside and its matched
+    length): a tree validates the rest of a key, or reuses the walk, before it
+    changes anything.
+
 Nodes
     :class:`Node` (``__slots__`` base: children, parent, key, value, ck,
     extra_key, id, lock_ref, last_access_time, hit_count, hash_value).  A
@@ -50,11 +58,20 @@ Nodes
     them, the page hashes and the dict position.  :func:`path_to_root`,
     :func:`check_locked`, :func:`lock_path`, :func:`unlock_path` are the lock
     walks (a lock covers the path to the root); :func:`iter_subtree` visits a
-    subtree; :data:`next_node_id` numbers nodes in creation order.
+    subtree; :func:`tree_lines` lays it out for a ``pretty_print``;
+    :data:`next_node_id` numbers nodes in creation order.
+
+Values
+    :func:`join_values` (parts of a match as one slot tensor, no copy for one
+    part), :func:`path_values` (the slots of the path down to a node) and
+    :func:`checked_value` (an insert's ``value`` as int64 slots: TypeError /
+    ValueError before anything changes); :func:`alloc_value` (fresh slots for
+    ``insert(key, value=None)``, RuntimeError when the pools are full).
 
 Order
     :class:`LRUList`, an intrusive doubly linked list (a node carries its own
-    links, so several lists can hold one node).  Heap-ordered eviction uses the
+    links, so several lists can hold one node); ``touch_path(node, root,
+    limit_tokens)`` moves a path (or its deepest ``limit_tokens``) to the front.  Heap-ordered eviction uses the
     policies of :mod:`kvcore.tree.policies` (``lru``, ``lfu``, ``fifo``, ``mru``,
     ``filo``, ``priority``, ``slru`` and any a plugin registers through
     ``kvcore_register_eviction_policies``), built by name with :func:`resolve_policy`;
@@ -65,7 +82,8 @@ KV events
     :mod:`kvcore.tree.events`: :class:`PageStored`, :class:`PageRemoved`,
     :class:`AllPagesCleared`, chained SHA-256 page hashes (:func:`page_hash`,
     :func:`chain_page_hashes`) and :func:`record_stored` / :func:`record_removed`
-    for a node.
+    for a node.  :class:`KVEventLog` (a mixin before ``BasePrefixCache``) gives a
+    cache ``take_events()`` over its ``_events`` list and ``record_cleared()`` for ``reset()``.
 
 Conventions a tree backend follows so the rest of kvcore can check it: node
 keys are whole pages (``len(key) % page_size == 0``); ``value`` holds the
@@ -75,9 +93,10 @@ its (evictable, protected) counts per pool from ``cached_sizes()``.
 """
 
 from kvcore.keys import check_token_ids, checked_key, token_id_list
-from kvcore.tree.checks import check_evict_count
+from kvcore.tree.checks import check_evict_count, request_ids
 from kvcore.tree.events import (
     AllPagesCleared,
+    KVEventLog,
     PageRemoved,
     PageStored,
     chain_page_hashes,
@@ -86,7 +105,7 @@ from kvcore.tree.events import (
     record_stored,
 )
 from kvcore.tree.lru import LRUList
-from kvcore.tree.match import child_key, prefix_match_len
+from kvcore.tree.match import child_key, descend, edge_match_len, prefix_match_len
 from kvcore.tree.node import (
     Node,
     check_locked,
@@ -95,34 +114,45 @@ from kvcore.tree.node import (
     next_node_id,
     path_to_root,
     split_node,
+    tree_lines,
     unlock_path,
 )
 from kvcore.tree.policies import BUILTIN_POLICIES, EvictionStrategy, resolve_policy
+from kvcore.tree.values import alloc_value, checked_value, join_values, path_values
 
 __all__ = [
     "AllPagesCleared",
     "BUILTIN_POLICIES",
     "EvictionStrategy",
+    "KVEventLog",
     "LRUList",
     "Node",
     "PageRemoved",
     "PageStored",
+    "alloc_value",
     "chain_page_hashes",
     "check_evict_count",
     "check_locked",
     "check_token_ids",
     "checked_key",
+    "checked_value",
     "child_key",
+    "descend",
+    "edge_match_len",
     "iter_subtree",
+    "join_values",
     "lock_path",
     "next_node_id",
     "page_hash",
     "path_to_root",
+    "path_values",
     "prefix_match_len",
     "record_removed",
     "record_stored",
+    "request_ids",
     "resolve_policy",
     "split_node",
     "token_id_list",
+    "tree_lines",
     "unlock_path",
 ]

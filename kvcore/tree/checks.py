@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["check_evict_count"]
+__all__ = ["check_evict_count", "request_ids"]
 
 
 def check_evict_count(value: Any, what: str = "num_tokens") -> int:
@@ -19,3 +19,14 @@ def check_evict_count(value: Any, what: str = "num_tokens") -> int:
     if n < 0:
         raise ValueError(f"{what} must be >= 0, got {n}")
     return n
+
+
+def request_ids(req: Any, n: int) -> list[int]:
+    """The first ``n`` token ids of ``req`` (``fill_ids[:n]``), the key its cached KV goes under.
+
+    ValueError naming the request when it holds fewer than ``n`` ids (nothing changed).
+    """
+    ids = req.fill_ids
+    if len(ids) < n:
+        raise ValueError(f"request {req.rid!r} has {len(ids)} tokens but kv_committed_len={n}")
+    return ids[:n]

@@ -25,6 +25,7 @@ __all__ = [
     "chain_page_hashes",
     "record_stored",
     "record_removed",
+    "KVEventLog",
 ]
 
 
@@ -102,3 +103,25 @@ def record_removed(events: list, node) -> None:
     hashes = node.hash_value
     if hashes:
         events.extend(PageRemoved(h) for h in hashes)
+
+
+class KVEventLog:
+    """The KV-event log of a tree cache: a mixin listed before ``BasePrefixCache`` in its bases.
+
+    The cache sets ``enable_kv_events`` and ``_events = []`` in its ``__init__``,
+    appends with :func:`record_stored` / :func:`record_removed` while events are
+    on, and calls :meth:`record_cleared` at the end of ``reset()``.
+    """
+
+    enable_kv_events: bool
+    _events: list
+
+    def take_events(self) -> list:
+        """The events recorded since the last call, oldest first; the log starts empty again."""
+        events, self._events = self._events, []
+        return events
+
+    def record_cleared(self) -> None:
+        """A reset emptied the tree: one :class:`AllPagesCleared` (when events are on)."""
+        if self.enable_kv_events:
+            self._events.append(AllPagesCleared())

@@ -73,18 +73,31 @@ class LRUList:
         self._unlink(node)
         self._link_after(self.head, node)
 
-    def touch_path(self, node: Any, root: Any) -> None:
+    def touch_path(self, node: Any, root: Any, limit_tokens: int | None = None) -> None:
         """Make ``node`` and its ancestors below ``root`` most recent, each child more recent than its parent.
 
-        Nodes of the path that are not in the list are skipped.
+        Nodes of the path that are not in the list are skipped.  With ``limit_tokens``
+        only the deepest part of the path is touched: a node is touched while the
+        tokens of the nodes below it on the path (skipped ones included) are fewer
+        than ``limit_tokens`` (SGLang's "the last W + page tokens" recency update).
         """
         anchor = self.head
         prv = self.prv
-        while node is not root:
+        if limit_tokens is None:
+            while node is not root:
+                if getattr(node, prv) is not None:
+                    self._unlink(node)
+                    self._link_after(anchor, node)
+                    anchor = node
+                node = node.parent
+            return
+        acc = 0
+        while node is not root and acc < limit_tokens:
             if getattr(node, prv) is not None:
                 self._unlink(node)
                 self._link_after(anchor, node)
                 anchor = node
+            acc += len(node.key)
             node = node.parent
 
     def lru_unlocked(self, leaf_only: bool = False) -> Any | None:

@@ -15,7 +15,7 @@ them a split copies (``split_copy``) or moves to the upper half
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "lock_path",
     "unlock_path",
     "iter_subtree",
+    "tree_lines",
 ]
 
 N = TypeVar("N", bound="Node")
@@ -200,3 +201,14 @@ def iter_subtree(node: Node) -> Iterator[Any]:
         x = stack.pop()
         yield x
         stack.extend(x.children.values())
+
+
+def tree_lines(root: Node, describe: Callable[[Any], str] = repr) -> list[str]:
+    """One line per node below ``root``, depth first in ``children`` order, indented two spaces a level."""
+    lines: list[str] = []
+    stack = [(child, 0) for child in reversed(list(root.children.values()))]
+    while stack:
+        x, depth = stack.pop()
+        lines.append("  " * depth + describe(x))
+        stack.extend((child, depth + 1) for child in reversed(list(x.children.values())))
+    return lines

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from kvcore.config import TreeCacheConfig
+from kvcore.pools.mamba_pool import MambaStateOptions
 
 __all__ = ["MambaConfig"]
 
 
-class MambaConfig(TreeCacheConfig):
+class MambaConfig(TreeCacheConfig, MambaStateOptions):
     """Options of the ``mamba`` backend (SGLang's MambaRadixCache).
 
     On top of the common pool options: ``mamba_size`` state slots (default four per
@@ -28,72 +27,32 @@ class MambaConfig(TreeCacheConfig):
     ``page_size``.
     """
 
-    mamba_size: int | None = Field(None, description="state slots (default: 4 x max_num_reqs; 6 x with page_size > 1)")
-    mamba_cache_chunk_size: int = Field(64, gt=0, description="branching snapshots are floored to this many tokens")
-    mamba_num_layers: int = Field(2, gt=0, description="Mamba layers (each keeps one state per slot)")
-    mamba_conv_shapes: tuple[tuple[int, ...], ...] = Field(((6, 3),), description="conv state shape(s) per layer")
-    mamba_temporal_shape: tuple[int, ...] = Field((2, 4, 4), description="temporal (SSM) state shape per layer")
-    mamba_dtype: Literal["float16", "bfloat16", "float32"] = Field("float32", description="state dtype")
-    mamba_track_interval: int = Field(
-        256, gt=0, description="page_size > 1: decode keeps a state snapshot every this many tokens (SGLang's default)"
-    )
+    # The state options (mamba_size, mamba_cache_chunk_size, shapes, mamba_track_interval) are
+    # kvcore.pools.mamba_pool.MambaStateOptions, shared with the unified backend's mamba component.
 
-    @field_validator("mamba_size")
+    @field_validator("pre_alloc_size")
     @classmethod
-    def _check_mamba_size(cls, value: int | None) -> int | None:
-        if value is not None and value <= 0:
-            raise ValueError(f"mamba_size must be a positive number of state slots, got {value}")
+    def _no_pre_alloc(cls, value: int) -> int:
+        if value:
+            raise ValueError(
+                f"pre_alloc_size={value} is not supported by the mamba backend: its rows come from a "
+                "HybridReqToTokenPool (one state slot per row) and SGLang's HybridMambaDecodeReqToTokenPool, which "
+                "adds rows for pre-allocated requests, is not built; leave pre_alloc_size at 0 and count the "
+                "pre-allocated requests in max_num_reqs"
+            )
         return value
 
     @model_validator(mode="after")
     def _check_mamba(self):
-        if self.page_size > 1 and self.mamba_cache_chunk_size % self.page_size:
-            raise ValueError(
-                f"mamba_cache_chunk_size={self.mamba_cache_chunk_size} must be a multiple of page_size="
-                f"{self.page_size}: with pages the state snapshots (SGLang's extra-buffer mode) are taken at "
-                "chunk boundaries, which must be page boundaries (SGLang's chunk size is max(model chunk, page))"
-            )
+        self.check_state_options(self.page_size)
         if self.eviction_policy != "lru":
             raise ValueError(
                 f"eviction_policy={self.eviction_policy!r} is not supported by the mamba backend: it keeps two "
                 "LRU orders (full and mamba), so only 'lru' applies"
             )
-        if not self.mamba_conv_shapes or any(not s or min(s) <= 0 for s in self.mamba_conv_shapes):
-            raise ValueError(f"mamba_conv_shapes={self.mamba_conv_shapes!r}: give one or more positive shapes")
-        if not self.mamba_temporal_shape or min(self.mamba_temporal_shape) <= 0:
-            raise ValueError(f"mamba_temporal_shape={self.mamba_temporal_shape!r} must be a positive shape")
         return self
 
-    @property
-    def mamba_extra_buffer(self) -> bool:
-        """SGLang's extra-buffer mode (two ping-pong tracking slots per request): on with page_size > 1."""
-        return self.page_size > 1
-
-    @property
-    def mamba_pool_size(self) -> int:
-        if self.mamba_size is not None:
-            return self.mamba_size
-        # With pages each request also holds two ping-pong tracking slots.
-        return (6 if self.mamba_extra_buffer else 4) * self.max_num_reqs
-
-    def build_mamba_pool(self):
-        import torch
-
-        from kvcore.pools.mamba_pool import MambaPool
-
-        return MambaPool(
-            self.mamba_pool_size,
-            num_layers=self.mamba_num_layers,
-            conv_shapes=self.mamba_conv_shapes,
-            temporal_shape=self.mamba_temporal_shape,
-            dtype=getattr(torch, self.mamba_dtype),
-            device=self.device,
-        )
-
     def build_req_to_token_pool(self):
-        from kvcore.pools.mamba_pool import HybridReqToTokenPool
-
-        return HybridReqToTokenPool(
-            self.max_num_reqs, self.max_context_len, device=self.device, mamba_pool=self.build_mamba_pool(),
-            extra_buffer=self.mamba_extra_buffer,
-        )
+        return self.build_hybrid_req_to_token_pool(max_num_reqs=self.max_num_reqs,
+                                                   max_context_len=self.max_context_len,
+                                                   page_size=self.page_size, device=self.device)

@@ -31,7 +31,6 @@ tombstone*).  What follows SGLang exactly, because the differential test checks 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -41,7 +40,7 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams
 from kvcore.keys import KeyLike, RadixKey
-from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaReqState, mamba_state_of
+from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaReqState, MambaRequestStates, mamba_state_of
 from kvcore.pools.views import PoolView
 from kvcore.tree import (
     AllPagesCleared,
@@ -163,21 +162,15 @@ class MambaRadixCache(BasePrefixCache):
         if self.page_size > 1 and self.mamba_cache_chunk_size % self.page_size:
             raise ValueError(f"mamba_cache_chunk_size={self.mamba_cache_chunk_size} is not a multiple of "
                              f"page_size={self.page_size}")
-        # SGLang's mamba_checkpoint_grid (prefill) and mamba_track_grid (decode).
-        self.checkpoint_grid = math.lcm(self.mamba_cache_chunk_size, self.page_size)
-        self.decode_track_grid = math.lcm(self.checkpoint_grid, int(getattr(config, "mamba_track_interval", 256)))
         self.disable = bool(config.disable)
         self.strict = bool(config.strict)
         self.enable_kv_events = bool(config.enable_kv_events)
         self.device = torch.device(self.token_to_kv_pool_allocator.device)
         self._events: list = []
-        self.cow_copies = 0
-        self.state_clears = 0
-        self.state_snapshots = 0
-        self.snapshot_skips = 0
-        # The request table asks the tree for room in the state pool and lets it fill a new slot.
-        r2t.evict_states = self._evict_states
-        r2t.prepare_state = self._prepare_admitted_state
+        # Admission copies, extra-buffer tracking, donations and backups (shared with unified's mamba component).
+        self.states = MambaRequestStates(
+            r2t, page_size=self.page_size, chunk_size=self.mamba_cache_chunk_size,
+            track_interval=int(getattr(config, "mamba_track_interval", 256)), evict_states=self._evict_states)
         self._init_tree()
 
     # ------------------------------------------------------------------ state
@@ -242,12 +235,7 @@ class MambaRadixCache(BasePrefixCache):
         return events
 
     def stats(self) -> dict[str, int]:
-        return {
-            "cow_copies": self.cow_copies,
-            "state_clears": self.state_clears,
-            "state_snapshots": self.state_snapshots,
-            "snapshot_skips": self.snapshot_skips,
-        }
+        return self.states.stats()
 
     # ------------------------------------------------------------------ sizes and pools
 
@@ -444,21 +432,6 @@ class MambaRadixCache(BasePrefixCache):
             comp.cow_node = node if node.mamba_value is not None else None
             comp.mamba_branching_seqlen = result.mamba_branching_seqlen
         return result
-
-    def _prepare_admitted_state(self, kv: Any) -> None:
-        """A request just got its state slot: copy the matched node's state (COW) or zero it."""
-        comp = mamba_state_of(kv)
-        assert comp is not None and comp.mamba_pool_idx is not None
-        node, comp.cow_node = comp.cow_node, None
-        dst = comp.mamba_pool_idx.reshape(1)
-        if node is not None and node.mamba_value is not None and node.parent is not None:
-            self.mamba_pool.copy_from(node.mamba_value, dst)
-            self.cow_copies += 1
-        else:
-            self.mamba_pool.clear_slots(dst)
-            self.state_clears += 1
-        comp.mamba_cow_src_index = None
-        comp.mamba_needs_clear = False
 
     def _evict_states(self, n: int) -> None:
         self.evict(0, mamba_num=n)
@@ -776,63 +749,11 @@ class MambaRadixCache(BasePrefixCache):
     def track_mamba_state(self, req: Any) -> int | None:
         """Replay SGLang's scheduler tracking over what ``req`` computed since the last call.
 
-        SGLang's scheduler decides, around each forward, whether the kernel writes a state
-        snapshot into the request's next ping-pong slot (``mamba_next_track_idx``): a prefill
-        extend of at least one checkpoint grid (``lcm(chunk, page)``, the chunk here) snapshots at
-        ``start + L // grid * grid`` (or at ``mamba_branching_seqlen`` when that lies inside the
-        extend, a whole number of chunks from its start), a decode step that reaches a multiple of
-        ``lcm(grid, mamba_track_interval)`` snapshots there; each snapshot records
-        ``mamba_last_track_idx`` / ``mamba_last_track_seqlen`` and flips the next index.
-        kvcore has no forward: a scheduler may call this after each forward (as the
-        differential test does), and ``cache_unfinished_req`` / ``cache_finished_req`` call it
-        first to catch up: the span computed since the previous call counts as one prefill
-        extend (the part inside the prompt) followed by decode steps.  The snapshot's contents
-        are the request's running state at this call (kvcore cannot recompute an earlier state).
-        Returns the latest tracked length, or None.  No-op at page size 1.
+        See :meth:`kvcore.pools.mamba_pool.MambaRequestStates.track`; ``cache_unfinished_req`` /
+        ``cache_finished_req`` call it first to catch up.  Returns the latest tracked length,
+        or None.  No-op at page size 1.
         """
-        comp = mamba_state_of(req.kv)
-        if not self.extra_buffer or comp is None or comp.mamba_ping_pong_track_buffer is None:
-            return None
-        kv = req.kv
-        start = comp.mamba_tracked_len if comp.mamba_tracked_len is not None else kv.cache_protected_len
-        end = kv.kv_committed_len
-        if end <= start:
-            return comp.mamba_last_track_seqlen
-        tracked = False
-        prompt_end = min(end, len(req.origin_input_ids))
-        grid = self.checkpoint_grid
-        # SGLang: an extend of L >= grid tokens snapshots at start + L // grid * grid (its chunks
-        # start on pages; kvcore's may not, so the start is floored to its page first).
-        if prompt_end - start >= grid:
-            seqlen = start - start % self.page_size + (prompt_end - start) // grid * grid
-            br = comp.mamba_branching_seqlen
-            if br is not None and start < br < prompt_end and (br - start) % self.mamba_cache_chunk_size == 0:
-                seqlen = br
-            nxt = comp.mamba_next_track_idx
-            assert nxt is not None
-            comp.mamba_last_track_idx = nxt
-            comp.mamba_next_track_idx = 1 - nxt
-            comp.mamba_last_track_seqlen = seqlen
-            tracked = True
-        dstart = max(start, len(req.origin_input_ids))
-        dgrid = self.decode_track_grid
-        crossings = end // dgrid - dstart // dgrid if end > dstart else 0
-        if crossings > 0:
-            nxt = comp.mamba_next_track_idx
-            assert nxt is not None
-            last = nxt if crossings % 2 else 1 - nxt
-            comp.mamba_last_track_idx = last
-            comp.mamba_next_track_idx = 1 - last
-            comp.mamba_last_track_seqlen = end // dgrid * dgrid
-            tracked = True
-        comp.mamba_tracked_len = end
-        if tracked and comp.mamba_pool_idx is not None:
-            keep = comp.mamba_last_track_idx
-            assert keep is not None
-            self.mamba_pool.copy_from(comp.mamba_pool_idx.reshape(1),
-                                      comp.mamba_ping_pong_track_buffer[keep].reshape(1))
-            self.state_snapshots += 1
-        return comp.mamba_last_track_seqlen
+        return self.states.track(req)
 
     def _cache_finished_extra(self, req: Any, is_insert: bool) -> None:
         """SGLang's extra-buffer ``cache_finished_req``: cache at the last tracked length, donate that slot."""
@@ -855,10 +776,9 @@ class MambaRadixCache(BasePrefixCache):
             if cache_len != committed:
                 self.free_kv_row(kv, [(max(cache_len, protected), committed)])
             keep = comp.mamba_last_track_idx
-            assert keep is not None
             row = r2t.req_to_token[kv.req_pool_idx]
             values = row[:cache_len].to(torch.int64)
-            mamba_value = comp.mamba_ping_pong_track_buffer[keep].reshape(1).clone()
+            mamba_value = self.states.tracked_slot(comp)
             result = self.insert(RadixKey(req.fill_ids[:cache_len], req.extra_key), values,
                                  mamba_value=mamba_value, prev_prefix_len=protected)
             if result.mamba_exist:
@@ -884,21 +804,12 @@ class MambaRadixCache(BasePrefixCache):
         if self.disable or cache_len is None:
             req.prefix_indices = row[:committed].to(torch.int64)
             return
-        new_slot = self.mamba_pool.alloc(1)
-        if new_slot is None:
-            self.evict(0, mamba_num=1)
-            new_slot = self.mamba_pool.alloc(1)
-        if new_slot is None:
+        donated = self.states.donate_tracked(comp)
+        if donated is None:
             # SGLang asserts here; kvcore leaves this snapshot uncached and carries on.
-            self.snapshot_skips += 1
             req.prefix_indices = row[:committed].to(torch.int64)
             return
         protected = kv.cache_protected_len
-        keep = comp.mamba_last_track_idx
-        assert keep is not None
-        buf = comp.mamba_ping_pong_track_buffer
-        donated = buf[keep].reshape(1).clone()
-        buf[keep] = new_slot[0]
         key = RadixKey(req.fill_ids[:cache_len], req.extra_key)
         result = self.insert(key, row[:cache_len].to(torch.int64), mamba_value=donated,
                              prev_prefix_len=protected, chunked=chunked)
@@ -965,17 +876,14 @@ class MambaRadixCache(BasePrefixCache):
         comp = self._state(req, "cache_unfinished_req")
         assert comp.mamba_pool_idx is not None
         protected = kv.cache_protected_len
-        donated = self.mamba_pool.alloc(1)
-        if donated is None:
-            self.evict(0, mamba_num=1)
-            donated = self.mamba_pool.alloc(1)
+        donated = self.states.alloc_slot()
         if donated is None:
             # SGLang asserts here; kvcore leaves this chunk uncached and carries on.
-            self.snapshot_skips += 1
+            self.states.snapshot_skips += 1
             req.prefix_indices = row[:committed].to(torch.int64)
             return
         self.mamba_pool.copy_from(comp.mamba_pool_idx.reshape(1), donated)
-        self.state_snapshots += 1
+        self.states.state_snapshots += 1
         key = RadixKey(req.fill_ids[:committed], req.extra_key)
         values = row[:committed].to(torch.int64)
         result = self.insert(key, values, mamba_value=donated, prev_prefix_len=protected, chunked=chunked)
@@ -987,32 +895,15 @@ class MambaRadixCache(BasePrefixCache):
 
     def backup_request_state(self, req: Any) -> Any:
         """A host copy of the request's own state slot (conv states, temporal state) for a retraction backup."""
-        comp = mamba_state_of(req.kv)
-        if comp is None or comp.mamba_pool_idx is None:
-            return None
-        idx = comp.mamba_pool_idx.reshape(1).to(torch.int64)
-        cache = self.mamba_pool.mamba_cache
-        return {"conv": [t[:, idx].to("cpu", copy=True) for t in cache.conv],
-                "temporal": cache.temporal[:, idx].to("cpu", copy=True)}
+        return self.states.backup(req)
 
     def restore_request_state(self, req: Any, state: Any) -> None:
         """Write a ``backup_request_state`` copy into the state slot the request holds now."""
-        comp = self._state(req, "restore_request_state")
-        assert comp.mamba_pool_idx is not None
-        idx = comp.mamba_pool_idx.reshape(1).to(torch.int64)
-        cache = self.mamba_pool.mamba_cache
-        for t, saved in zip(cache.conv, state["conv"]):
-            t[:, idx] = saved.to(t.device)
-        cache.temporal[:, idx] = state["temporal"].to(cache.temporal.device)
-        # The slot holds the backed-up state now: nothing to copy or clear before the next forward.
-        comp.mamba_cow_src_index = None
-        comp.mamba_needs_clear = False
-        comp.cow_node = None
+        self.states.restore(req, state)
 
     def request_state_slots(self, kv: Any) -> int:
         """State slots the record holds: its own and its ping-pong tracking slots."""
-        comp = mamba_state_of(kv)
-        return 0 if comp is None else int(comp.slots().numel())
+        return self.states.slots_held(kv)
 
     # ------------------------------------------------------------------ debugging
 

@@ -13,7 +13,7 @@ import heapq
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -23,15 +23,15 @@ from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.pools.allocator import SlotClaims
 from kvcore.record import floor_align
 from kvcore.tree import (
-    AllPagesCleared,
+    KVEventLog,
     Node,
     check_evict_count,
     check_locked,
+    descend,
     iter_subtree,
     lock_path,
     next_node_id,
     path_to_root,
-    prefix_match_len,
     record_removed,
     record_stored,
     resolve_policy,
@@ -82,7 +82,7 @@ class TreeNode(Node):
         return f"<radix node {self.id} len={len(self.key)} lock_ref={self.lock_ref} key={ids}>"
 
 
-class RadixCache(BasePrefixCache):
+class RadixCache(KVEventLog, BasePrefixCache):
     """SGLang-style radix tree cache; the class is its own ``create_cache`` factory."""
 
     # Tests may replace the clock on an instance (e.g. an itertools counter).
@@ -144,8 +144,7 @@ class RadixCache(BasePrefixCache):
                 self._claims.disown(slots)
             self.token_to_kv_pool_allocator.free(slots)
         self._init_tree()
-        if self.enable_kv_events:
-            self._events.append(AllPagesCleared())
+        self.record_cleared()
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -155,10 +154,6 @@ class RadixCache(BasePrefixCache):
 
     def total_size(self) -> int:
         return sum(len(node.key) for node in iter_subtree(self.root_node))
-
-    def take_events(self) -> list:
-        events, self._events = self._events, []
-        return events
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
         for node in iter_subtree(self.root_node):
@@ -176,46 +171,17 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ lookups
 
-    def _descend(self, ids: list, n: int, extra) -> tuple:
-        """Read-only walk: (full-match path, its length, node a match ends inside or None, tokens matched in it)."""
-        ps = self.page_size
-        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
-        if extra is not None:
-            ck = (extra, ck)
-        children = self.root_node.children
-        path: list[TreeNode] = []
-        pos = 0
-        while True:
-            child = children.get(ck)
-            if child is None:
-                return path, pos, None, 0
-            ckey = child.key
-            end = pos + len(ckey)
-            if end <= n and ids[pos:end] == ckey:
-                path.append(child)
-                pos = end
-                if pos >= n:
-                    return path, pos, None, 0
-                children = child.children
-                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-                continue
-            # The first page matched through the dict key, so m >= page_size here.
-            return path, pos, child, prefix_match_len(ids, pos, ckey, min(len(ckey), n - pos), ps)
-
     def _walk(self, rk: RadixKey, n: int, check_tail: bool = True) -> tuple:
-        """``_descend`` plus validation of every token the walk did not prove equal to a cached one.
+        """:func:`kvcore.tree.descend` plus validation of every token the walk did not prove equal to a cached one.
 
         Cached keys hold only validated ids, so a token that compared equal to one
         is a valid id; the rest of the key is checked in one C pass before anything
-        in the tree changes.  Returns ``_descend``'s four values and whether that
+        in the tree changes.  Returns ``descend``'s four values and whether that
         rest is known to hold no 0 or 1 (so that a key equal to this one holds no bool).
         """
         ids = rk.token_ids
-        try:
-            found = self._descend(ids, n, rk.extra_key)
-        except TypeError:  # an unhashable element: report it the canonical way
-            check_token_ids(ids)
-            raise
+        # (An unhashable element raises check_token_ids' TypeError naming it.)
+        found = descend(self.root_node, ids, n, self.page_size, rk.extra_key)
         no01 = False
         if check_tail and not rk.validated:
             no01 = check_token_ids(ids, found[1] + found[3], refuse_bools=self.strict)

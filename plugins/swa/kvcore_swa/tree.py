@@ -32,19 +32,26 @@ from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult,
 from kvcore.keys import RadixKey, checked_key
 from kvcore.record import floor_align
 from kvcore.tree import (
-    AllPagesCleared,
+    KVEventLog,
     LRUList,
     Node,
+    alloc_value,
     check_evict_count,
     check_locked,
+    checked_value,
+    child_key,
+    edge_match_len,
     iter_subtree,
+    join_values,
     lock_path,
     next_node_id,
     path_to_root,
-    prefix_match_len,
+    path_values,
     record_removed,
     record_stored,
+    request_ids,
     split_node,
+    tree_lines,
     unlock_path,
 )
 from kvcore_swa.config import require_swa_allocator
@@ -129,7 +136,7 @@ class SWATreeNode(Node):
         )
 
 
-class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
+class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
     """SGLang's SWARadixCache on a :class:`kvcore.pools.SWATokenToKVPoolAllocator`.
 
     The class is its own factory: ``SWARadixCache(params)`` with a
@@ -183,7 +190,6 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
 
         Locks held on the old tree die with it: call this only when no request runs.
         """
-        alloc = self.token_to_kv_pool_allocator
         live: list[torch.Tensor] = []
         dead: list[torch.Tensor] = []
         nodes = list(iter_subtree(self.root_node))
@@ -191,24 +197,9 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             (dead if node.tombstone else live).append(node.value)
         for node in nodes:
             node.parent = None
-        if self.strict and (live or dead):
-            alloc.disown(torch.cat(live + dead))
-        if live:
-            alloc.free(torch.cat(live))
-        if dead:
-            alloc.free_full(torch.cat(dead))
+        self._free_batch(live, dead, [])
         self._build_empty()
-        if self.enable_kv_events:
-            self._events.append(AllPagesCleared())
-
-    def take_events(self) -> list:
-        events, self._events = self._events, []
-        return events
-
-    # ------------------------------------------------------------------ traits
-
-    def is_chunk_cache(self) -> bool:
-        return False
+        self.record_cleared()
 
     # ------------------------------------------------------------------ sizes
 
@@ -268,23 +259,16 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         best_len = 0
         matched = 0
         ps = self.page_size
-        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
-        if extra_key is not None:
-            ck = (extra_key, ck)
         while pos < n:
-            if pos:
-                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-            child = node.children.get(ck)
+            child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
             if child is None:
                 break
             if child.tombstone:
                 if since_tombstone >= window:
                     best_items, best_node, best_len = len(values), node, matched
                 since_tombstone = 0
-            ckey = child.key
-            plen = len(ckey)
-            if pos + plen > n or ids[pos : pos + plen] != ckey:
-                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), ps)
+            plen = edge_match_len(ids, pos, child.key, n, ps)
+            if plen < len(child.key):
                 child = self._split(child, plen)
             values.append(child.value)
             matched += plen
@@ -304,12 +288,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 x.last_access_time = t
                 x.hit_count += 1
                 x = x.parent
-        if best_items == 0:
-            indices = self._empty
-        elif best_items == 1:
-            indices = values[0]
-        else:
-            indices = torch.cat(values[:best_items])
+        indices = join_values(values[:best_items], self._empty)
         return MatchResult(
             indices,
             best_node,
@@ -353,13 +332,11 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if value is None:
             if self.disable or n == 0:
                 return InsertResult(0, self.root_node, duplicates_freed=True)
-            value = self.token_to_kv_pool_allocator.alloc(n)
-            if value is None:
-                raise RuntimeError(f"cannot allocate {n} slots for insert(value=None): the pools are full")
+            value = alloc_value(self.token_to_kv_pool_allocator, n)
             prev_prefix_len = 0
             swa_evicted_seqlen = 0
         else:
-            value = self._check_value(value, len(ids), n)
+            value = checked_value(value, len(ids), n, self.device)
         if self.disable:
             return InsertResult(0, self.root_node, duplicates_freed=True)
         if n == 0:
@@ -373,25 +350,6 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             self._release_window(value[prev_prefix_len : min(swa_evicted_seqlen, n)])
         prefix_len, last = self._insert(ids, extra_key, n, value, prev_prefix_len, swa_evicted_seqlen)
         return InsertResult(prefix_len, last, duplicates_freed=True)
-
-    def _check_value(self, value, key_len: int, aligned_len: int | None = None) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            try:
-                value = torch.as_tensor(list(value), dtype=torch.int64)
-            except (TypeError, ValueError):
-                raise TypeError(f"value must be a 1-D integer tensor of slots, got {type(value).__name__}") from None
-        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(
-                f"value must be a 1-D integer tensor of slots, got shape {tuple(value.shape)} dtype {value.dtype}"
-            )
-        # As SGLang, a value covering just the page-aligned part of the key will do.
-        lo = key_len if aligned_len is None else aligned_len
-        if not lo <= value.numel() <= key_len:
-            raise ValueError(
-                f"value has {value.numel()} slots but the key has {key_len} tokens"
-                + (f" ({lo} page-aligned)" if lo != key_len else "")
-            )
-        return value.to(device=self.device, dtype=torch.int64)
 
     def _check_slots(self, value: torch.Tensor, lo: int, hi: int, what: str = "insert") -> None:
         """Refuse (nothing changed) unless ``value[lo:hi]``, the caller's own slots, may enter the tree."""
@@ -426,13 +384,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         pos = 0
         t = self._tick()
         ps = self.page_size
-        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
-        if extra_key is not None:
-            ck = (extra_key, ck)
         while pos < n:
-            if pos:
-                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-            child = node.children.get(ck)
+            child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
             if child is None:
                 break
             # Root-to-leaf order: a child is more recent than its parent, so window
@@ -442,10 +395,8 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             self.full_lru.touch(child)
             if not child.tombstone:
                 self.swa_lru.touch(child)
-            ckey = child.key
-            plen = len(ckey)
-            if pos + plen > n or ids[pos : pos + plen] != ckey:
-                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), ps)
+            plen = edge_match_len(ids, pos, child.key, n, ps)
+            if plen < len(child.key):
                 child = self._split(child, plen)
             end = pos + plen
             if prev < end:
@@ -527,8 +478,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         node.tombstone = tombstone
         node.last_access_time = self._tick()
         ps = self.page_size
-        ck = key[0] if ps == 1 else tuple(key[:ps])
-        node.ck = ck if extra_key is None or parent is not self.root_node else (extra_key, ck)
+        node.ck = child_key(key, 0, ps, extra_key if parent is self.root_node else None)
         parent.children[node.ck] = node
         self.full_lru.add_mru(node)
         self.full_evictable_size_ += len(key)
@@ -745,21 +695,18 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         self._free_batch(live, dead, swa_only)
         return EvictResult(full_evicted, swa_evicted)
 
-    @staticmethod
-    def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
     def _free_batch(self, live: list[torch.Tensor], dead: list[torch.Tensor], swa_only: list[torch.Tensor]) -> None:
         """Give back what an eviction took: window sides first (the full-to-window map is read), then full sides."""
         alloc = self.token_to_kv_pool_allocator
+        empty = self._empty
         if swa_only:
-            alloc.free_swa(self._cat(swa_only))
+            alloc.free_swa(join_values(swa_only, empty))
         if self.strict and (live or dead):
-            alloc.disown(self._cat(live + dead))
+            alloc.disown(join_values(live + dead, empty))
         if live:
-            alloc.free(self._cat(live))
+            alloc.free(join_values(live, empty))
         if dead:
-            alloc.free_full(self._cat(dead))
+            alloc.free_full(join_values(dead, empty))
 
     def _delete_leaf(self, x: SWATreeNode, live: list[torch.Tensor], dead: list[torch.Tensor]) -> None:
         """Remove unlocked leaf ``x`` (both LRUs, its parent, the size counters).
@@ -841,12 +788,6 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 return
             self.dec_lock_ref(node, lock)
 
-    def _req_key_ids(self, req: Req, n: int) -> list[int]:
-        ids = req.fill_ids
-        if len(ids) < n:
-            raise ValueError(f"request {req.rid!r} has {len(ids)} tokens but kv_committed_len={n}")
-        return ids[:n]
-
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Insert what ``req`` committed (the window-evicted part as tombstone) and drop its lock."""
         kv = req.kv
@@ -866,7 +807,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if insert:
             # Read and checked before anything changes.
             values = self._req_values(req, aligned)
-            ids = self._req_key_ids(req, aligned)
+            ids = request_ids(req, aligned)
         self._settle_window(kv, committed)
         if insert:
             self._insert(ids, req.extra_key, aligned, values, protected, kv.swa_evicted_seqlen, owned=True)
@@ -905,7 +846,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             # Nothing the tree could keep as a live leaf.
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
-        ids = self._req_key_ids(req, aligned)
+        ids = request_ids(req, aligned)
         if values is None:
             values = row[:aligned].to(torch.int64, copy=True)
         _, last = self._insert(ids, req.extra_key, aligned, values, protected, sev, owned=True)
@@ -915,7 +856,7 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         if m.last_device_node is last:
             tree_values = m.device_indices
         else:
-            tree_values = self._path_values(last)
+            tree_values = path_values(last, self.root_node, self._empty)
         assert tree_values.numel() == aligned, (tree_values.numel(), aligned)
         new_len = aligned
         row[protected:new_len] = tree_values[protected:].to(row.dtype)
@@ -928,17 +869,6 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
             req.prefix_indices = torch.cat([tree_values, row[new_len:committed].to(torch.int64)])
         else:
             req.prefix_indices = tree_values
-
-    def _path_values(self, node: SWATreeNode) -> torch.Tensor:
-        parts = []
-        root = self.root_node
-        while node is not root:
-            parts.append(node.value)
-            node = node.parent
-        if not parts:
-            return self._empty
-        parts.reverse()
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # ------------------------------------------------------------------ introspection
 
@@ -989,14 +919,6 @@ class SWARadixCache(SlidingWindowMixin, BasePrefixCache):
         assert root not in self.full_lru and root not in self.swa_lru
 
     def pretty_print(self) -> str:
-        lines = []
-
-        def walk(node: SWATreeNode, depth: int) -> None:
-            for child in node.children.values():
-                lines.append("  " * depth + repr(child))
-                walk(child, depth + 1)
-
-        walk(self.root_node, 0)
-        text = "\n".join(lines)
+        text = "\n".join(tree_lines(self.root_node))
         print(text)
         return text

@@ -20,7 +20,7 @@ from kvcore.tree import LRUList, lock_path, unlock_path
 if TYPE_CHECKING:
     from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
 
-__all__ = ["FullComponent", "SWAComponent", "SWAOptions"]
+__all__ = ["FullComponent", "LRUValueComponent", "SWAComponent", "SWAOptions"]
 
 
 class FullComponent(TreeComponent):
@@ -156,6 +156,73 @@ class FullComponent(TreeComponent):
         assert (ev, pr) == (self._evictable, self._protected), ((ev, pr), (self._evictable, self._protected))
 
 
+class LRUValueComponent(TreeComponent):
+    """A component whose values may be tombstoned, kept in its own LRU list (swa, mamba).
+
+    Its node fields are ``<name>_prev`` / ``<name>_next`` / ``<name>_lock_ref``; ``lru_label``
+    names the list in errors.  Eviction walks that list from its least recently used
+    unlocked end: a leaf goes whole, an internal node loses this component's value only.
+    """
+
+    lru_label = "LRU"
+
+    def reset_state(self) -> None:
+        from kvcore_unified.tree import UnifiedNode
+
+        lock_field = f"{self.name}_lock_ref"
+
+        def sentinel() -> UnifiedNode:
+            n = UnifiedNode()
+            setattr(n, lock_field, 0)  # a component field, set on every node
+            return n
+
+        self.lru = LRUList(sentinel, f"{self.name}_prev", f"{self.name}_next", lock_field, self.lru_label)
+        self._evictable = 0
+        self._protected = 0
+
+    def set_value(self, node: Any, value: torch.Tensor) -> None:
+        """Give ``node`` this component's value (unlocked, most recently used)."""
+        setattr(node, f"{self.name}_value", value)
+        self.lru.add_mru(node)
+        self._evictable += len(value)
+
+    def forget_value(self, node: Any) -> int:
+        """Tombstone ``node`` in this component's books (the caller gave its slots back); returns the units."""
+        n = self.value_len(node)
+        if self.lock_ref(node):
+            self._protected -= n
+        else:
+            self._evictable -= n
+        setattr(node, f"{self.name}_value", None)
+        if node in self.lru:
+            self.lru.remove(node)
+        return n
+
+    def evict(self, target: int, tracker: dict[str, int]) -> None:
+        cache = self.cache
+        lru = self.lru
+        leaves = cache.leaves
+        key = self.pool
+        cursor = lru.lru_unlocked()
+        while True:
+            if cursor is not None and cursor not in lru:
+                cursor = lru.lru_unlocked()
+            if tracker[key] >= target or cursor is None:
+                return
+            x = cursor
+            cursor = lru.prev_unlocked(x)
+            if x in leaves:
+                cache.delete_leaf(x, tracker)
+            else:
+                cache.drop_value(x, self, tracker)
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+
 def min_swa_size(window: int, page_size: int) -> int:
     return window + 2 * page_size
 
@@ -176,7 +243,7 @@ class SWAOptions(BaseModel):
         return value
 
 
-class SWAComponent(TreeComponent):
+class SWAComponent(LRUValueComponent):
     """Sliding-window slots: tombstones, window locks, window-only recency (SGLang's SWAComponent)."""
 
     name = "swa"
@@ -184,6 +251,7 @@ class SWAComponent(TreeComponent):
     internal_priority = 1
     options = SWAOptions
     window_lock = True
+    lru_label = "window LRU"
     node_fields = {"swa_value": None, "swa_lock_ref": 0, "swa_uuid": None, "swa_prev": None, "swa_next": None}
     cache: UnifiedRadixCache
 
@@ -225,18 +293,6 @@ class SWAComponent(TreeComponent):
     def cache_attrs(self) -> dict[str, Any]:
         return {**super().cache_attrs(), "sliding_window_size": self.window}
 
-    def reset_state(self) -> None:
-        from kvcore_unified.tree import UnifiedNode
-
-        def sentinel() -> UnifiedNode:
-            n = UnifiedNode()
-            setattr(n, "swa_lock_ref", 0)  # noqa: B010  (a component field, set on every node)
-            return n
-
-        self.lru = LRUList(sentinel, "swa_prev", "swa_next", "swa_lock_ref", "window LRU")
-        self._evictable = 0
-        self._protected = 0
-
     # -- per node ----------------------------------------------------------------------
     def has_value(self, node: Any) -> bool:
         return node.swa_value is not None
@@ -253,20 +309,7 @@ class SWAComponent(TreeComponent):
     def free_value(self, node: Any) -> int:
         """Tombstone ``node``: its window slots go back (its full slots stay)."""
         self.alloc.free_swa(node.value)
-        n = len(node.swa_value)
-        if node.swa_lock_ref:
-            self._protected -= n
-        else:
-            self._evictable -= n
-        node.swa_value = None
-        if node in self.lru:
-            self.lru.remove(node)
-        return n
-
-    def set_value(self, node: Any, swa: torch.Tensor) -> None:
-        node.swa_value = swa
-        self.lru.add_mru(node)
-        self._evictable += len(swa)
+        return self.forget_value(node)
 
     def on_split(self, upper: Any, child: Any) -> None:
         has = child.swa_value is not None
@@ -301,19 +344,8 @@ class SWAComponent(TreeComponent):
 
     def _touch_window(self, node: Any) -> None:
         """SGLang's reset_node_and_window_ancestors_mru: the last W + page tokens of the path, deepest first."""
-        root = self.cache.root_node
-        limit = self.window + self.cache.page_size
-        acc = 0
-        picked = []
-        x = node
-        while x is not root and acc < limit:
-            if x.swa_value is not None:
-                picked.append(x)
-            acc += len(x.key)
-            x = x.parent
-        lru = self.lru
-        for x in reversed(picked):
-            lru.touch(x)
+        # The nodes with a window value are exactly the ones in the window LRU.
+        self.lru.touch_path(node, self.cache.root_node, self.window + self.cache.page_size)
 
     def after_match(self, node: Any) -> None:
         self._touch_window(node)
@@ -473,32 +505,7 @@ class SWAComponent(TreeComponent):
                 return
             x = x.parent
 
-    # -- eviction ----------------------------------------------------------------------
-    def evict(self, target: int, tracker: dict[str, int]) -> None:
-        cache = self.cache
-        lru = self.lru
-        leaves = cache.leaves
-        cursor = lru.lru_unlocked()
-        while True:
-            if cursor is not None and cursor not in lru:
-                cursor = lru.lru_unlocked()
-            if tracker["swa"] >= target or cursor is None:
-                return
-            x = cursor
-            if x in leaves:
-                cursor = lru.prev_unlocked(x)
-                cache.delete_leaf(x, tracker)
-                continue
-            cursor = lru.prev_unlocked(x)
-            cache.drop_value(x, self, tracker)
-
-    # -- sizes -------------------------------------------------------------------------
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
+    # -- checks ------------------------------------------------------------------------
     def check(self, node: Any) -> None:
         if node.swa_value is None:
             assert node not in self.lru and node.swa_lock_ref == 0, node

@@ -5,26 +5,35 @@ on a node that holds one.  Locks cover the node itself; a split leaves the state
 the lower half.  Its own eviction takes states from the state LRU: a leaf goes whole,
 an internal node keeps its full slots (priority 0: nothing cascades from it).
 
-Requests (``page_size == 1``, SGLang's default mode): a finished request's own state
+Requests at ``page_size == 1`` (SGLang's default mode): a finished request's own state
 slot goes to the tree with its tokens (unless the tree has one there already); a
-chunked prefill donates a copy.  The state pool and the request table are the core's
-:class:`kvcore.pools.mamba_pool.MambaPool` / ``HybridReqToTokenPool``.
+chunked prefill donates a copy.  At ``page_size > 1`` (SGLang's extra-buffer mode) every
+request also holds two ping-pong tracking slots, and only tracked snapshots go to the
+tree (``track_mamba_state``: chunk boundaries of a prefill, the branching point, every
+``lcm(chunk, page, mamba_track_interval)`` decoded tokens): an unfinished request donates
+the tracked slot (taking a fresh one in its place), a finished one caches up to the last
+tracked length.  The state pool, the request table and that request-side logic are the
+core's (:mod:`kvcore.pools.mamba_pool`), shared with the ``mamba`` backend.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from kvcore.cache import LockResult, SlotOwner
-from kvcore.components import TreeComponent
-from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaPool, mamba_state_of
+from kvcore.pools.mamba_pool import (
+    HybridReqToTokenPool,
+    MambaPool,
+    MambaRequestStates,
+    MambaStateOptions,
+    mamba_state_of,
+)
 from kvcore.pools.views import PoolView
-from kvcore.tree import LRUList
+from kvcore_unified.components import LRUValueComponent
 
 if TYPE_CHECKING:
     from kvcore_unified.tree import InsertArgs, UnifiedRadixCache
@@ -32,45 +41,33 @@ if TYPE_CHECKING:
 __all__ = ["MambaComponent", "MambaOptions"]
 
 
-class MambaOptions(BaseModel):
-    """Options of the ``mamba`` component: the state pool and its state shapes (as the ``mamba`` backend's)."""
+class MambaOptions(MambaStateOptions):
+    """Options of the ``mamba`` component: the state pool and its state shapes (the ``mamba`` backend's)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mamba_size: int | None = Field(None, gt=0, description="state slots (default: 4 x max_num_reqs)")
-    mamba_cache_chunk_size: int = Field(64, gt=0, description="branching points are floored to this many tokens")
-    mamba_num_layers: int = Field(2, gt=0, description="Mamba layers (each keeps one state per slot)")
-    mamba_conv_shapes: tuple[tuple[int, ...], ...] = Field(((6, 3),), description="conv state shape(s) per layer")
-    mamba_temporal_shape: tuple[int, ...] = Field((2, 4, 4), description="temporal (SSM) state shape per layer")
-    mamba_dtype: Literal["float16", "bfloat16", "float32"] = Field("float32", description="state dtype")
 
-
-class MambaComponent(TreeComponent):
+class MambaComponent(LRUValueComponent):
     """Recurrent-state slots: one per node, single-node locks, tombstones (SGLang's MambaComponent)."""
 
     name = "mamba"
     pool = "mamba"
     internal_priority = 0
     options = MambaOptions
+    lru_label = "mamba LRU"
     node_fields = {"mamba_value": None, "mamba_lock_ref": 0, "mamba_prev": None, "mamba_next": None}
     cache: UnifiedRadixCache
 
     # -- config hooks ------------------------------------------------------------------
     @staticmethod
     def check_options(config: Any, opts: MambaOptions) -> None:
-        if not opts.mamba_conv_shapes or any(not s or min(s) <= 0 for s in opts.mamba_conv_shapes):
-            raise ValueError(f"mamba_conv_shapes={opts.mamba_conv_shapes!r}: give one or more positive shapes")
-        if not opts.mamba_temporal_shape or min(opts.mamba_temporal_shape) <= 0:
-            raise ValueError(f"mamba_temporal_shape={opts.mamba_temporal_shape!r} must be a positive shape")
+        opts.check_state_options(config.page_size)
 
     @staticmethod
     def build_req_to_token_pool(config: Any, opts: MambaOptions) -> Any:
-        size = opts.mamba_size if opts.mamba_size is not None else 4 * config.max_num_reqs
-        pool = MambaPool(size, num_layers=opts.mamba_num_layers, conv_shapes=opts.mamba_conv_shapes,
-                         temporal_shape=opts.mamba_temporal_shape, dtype=getattr(torch, opts.mamba_dtype),
-                         device=config.torch_device())
-        return HybridReqToTokenPool(config.max_num_reqs, config.max_context_len, device=config.torch_device(),
-                                    mamba_pool=pool)
+        return opts.build_hybrid_req_to_token_pool(max_num_reqs=config.max_num_reqs,
+                                                   max_context_len=config.max_context_len,
+                                                   page_size=config.page_size, device=config.torch_device())
 
     def __init__(self, cache: Any, options: BaseModel | None) -> None:
         super().__init__(cache, options)
@@ -81,31 +78,22 @@ class MambaComponent(TreeComponent):
         self.r2t = r2t
         self.mamba_pool: MambaPool = r2t.mamba_pool
         self.chunk = int(opts.mamba_cache_chunk_size)
+        if cache.page_size > 1 and not r2t.extra_buffer:
+            raise ValueError(f"page_size={cache.page_size}: the mamba component needs the extra-buffer request "
+                             "table (HybridReqToTokenPool(extra_buffer=True)) for pages larger than one token")
+        # Admission copies, extra-buffer tracking, donations and backups (shared with the mamba backend).
+        self.states = MambaRequestStates(
+            r2t, page_size=int(cache.page_size), chunk_size=self.chunk,
+            track_interval=int(opts.mamba_track_interval), evict_states=lambda n: cache.evict(0, mamba_num=n))
         # SGLang's mamba_checkpoint_grid: where a branching checkpoint may sit.
-        self.grid = math.lcm(self.chunk, int(cache.page_size))
-        # The request table asks the tree for states when it runs short, and lets it fill a new slot.
-        r2t.evict_states = lambda n: cache.evict(0, mamba_num=n)
-        r2t.prepare_state = self._prepare_admitted_state
-        self.cow_copies = 0
+        self.grid = self.states.checkpoint_grid
 
     def cache_attrs(self) -> dict[str, Any]:
         return {**super().cache_attrs(), "mamba_pool": self.mamba_pool,
-                "mamba_cache_chunk_size": self.chunk}
+                "mamba_cache_chunk_size": self.chunk, "track_mamba_state": self.states.track}
 
     def pool_views(self) -> list[Any]:
         return [PoolView("mamba", self.mamba_pool.allocator, record_slots=_record_slots)]
-
-    def reset_state(self) -> None:
-        from kvcore_unified.tree import UnifiedNode
-
-        def sentinel() -> UnifiedNode:
-            n = UnifiedNode()
-            setattr(n, "mamba_lock_ref", 0)  # noqa: B010  (a component field, set on every node)
-            return n
-
-        self.lru = LRUList(sentinel, "mamba_prev", "mamba_next", "mamba_lock_ref", "mamba LRU")
-        self._evictable = 0
-        self._protected = 0
 
     # -- per node ----------------------------------------------------------------------
     def has_value(self, node: Any) -> bool:
@@ -123,20 +111,7 @@ class MambaComponent(TreeComponent):
     def free_value(self, node: Any) -> int:
         v = node.mamba_value
         self.mamba_pool.free(v)
-        n = len(v)
-        if node.mamba_lock_ref:
-            self._protected -= n
-        else:
-            self._evictable -= n
-        node.mamba_value = None
-        if node in self.lru:
-            self.lru.remove(node)
-        return n
-
-    def _set(self, node: Any, value: torch.Tensor) -> None:
-        node.mamba_value = value
-        self.lru.add_mru(node)
-        self._evictable += len(value)
+        return self.forget_value(node)
 
     def on_split(self, upper: Any, child: Any) -> None:
         upper.mamba_value = None
@@ -192,27 +167,18 @@ class MambaComponent(TreeComponent):
             comp.cow_node = node if node.mamba_value is not None else None
             comp.mamba_branching_seqlen = result.mamba_branching_seqlen
 
-    def _prepare_admitted_state(self, kv: Any) -> None:
-        """A request just got its state slot: copy the matched node's state (COW) or zero it."""
-        comp = mamba_state_of(kv)
-        assert comp is not None and comp.mamba_pool_idx is not None
-        node, comp.cow_node = comp.cow_node, None
-        dst = comp.mamba_pool_idx.reshape(1)
-        if node is not None and node.mamba_value is not None and node.parent is not None:
-            self.mamba_pool.copy_from(node.mamba_value, dst)
-            self.cow_copies += 1
-        else:
-            self.mamba_pool.clear_slots(dst)
-        comp.mamba_cow_src_index = None
-        comp.mamba_needs_clear = False
-
     # -- insert ------------------------------------------------------------------------
     def request_state_slots(self, kv: Any) -> int:
-        comp = mamba_state_of(kv)
-        return 0 if comp is None else int(comp.slots().numel())
+        return self.states.slots_held(kv)
+
+    def backup_request_state(self, req: Any) -> Any:
+        return self.states.backup(req)
+
+    def restore_request_state(self, req: Any, state: Any) -> None:
+        self.states.restore(req, state)
 
     def stats(self) -> dict[str, int]:
-        return {"cow_copies": self.cow_copies}
+        return self.states.stats()
 
     def check_insert(self, n: int, ins: InsertArgs) -> None:
         v = ins.mamba_value
@@ -228,12 +194,9 @@ class MambaComponent(TreeComponent):
     def before_insert(self, value: Any, ins: Any) -> None:
         if ins.mamba_value is not None:
             return
-        slot = self.mamba_pool.alloc(1)
+        slot = self.states.alloc_slot()
         if slot is None:
-            self.cache.evict(0, mamba_num=1)
-            slot = self.mamba_pool.alloc(1)
-            if slot is None:
-                raise ValueError("insert: mamba_value is missing and no state slot is free or evictable")
+            raise ValueError("insert: mamba_value is missing and no state slot is free or evictable")
         self.mamba_pool.clear_slots(slot)
         ins.mamba_value = slot
         ins.own_state = True
@@ -242,10 +205,10 @@ class MambaComponent(TreeComponent):
         value = ins.mamba_value
         assert value is not None
         if is_new_leaf:
-            self._set(node, value.clone())
+            self.set_value(node, value.clone())
             return
         if node.mamba_value is None:
-            self._set(node, value.clone())
+            self.set_value(node, value.clone())
             node.last_access_time = self.cache.tick()
             return
         self.lru.touch(node)
@@ -254,36 +217,54 @@ class MambaComponent(TreeComponent):
         if ins.own_state:
             self.mamba_pool.free(value)
 
-    # -- requests (page_size 1) -------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------
     def prepare_insert(self, req: Any, ins: InsertArgs, finished: bool) -> int | None:
-        if self.cache.page_size > 1:
-            raise NotImplementedError(
-                "unified with a mamba component caches requests at page_size=1 only (SGLang's extra-buffer mode, "
-                "page_size > 1, is not implemented here; the mamba backend has it)")
         comp = mamba_state_of(req.kv)
+        if self.states.extra_buffer:
+            return self._prepare_tracked(req, comp, ins, finished)
         if comp is None or comp.mamba_pool_idx is None:
             raise ValueError(
                 f"request {req.rid!r} holds no state slot; admit it through kvcore.Engine or a HybridReqToTokenPool")
         if finished:
             ins.mamba_value = comp.mamba_pool_idx.reshape(1).clone()
             return None
-        donated = self.mamba_pool.alloc(1)
+        donated = self.states.alloc_slot()
         if donated is None:
-            self.cache.evict(0, mamba_num=1)
-            donated = self.mamba_pool.alloc(1)
-            if donated is None:
-                raise RuntimeError("cache_unfinished_req: no state slot free or evictable for the snapshot")
+            raise RuntimeError("cache_unfinished_req: no state slot free or evictable for the snapshot")
         self.mamba_pool.copy_from(comp.mamba_pool_idx.reshape(1), donated)
+        self.states.state_snapshots += 1
         ins.mamba_value = donated
         return None
 
+    def _prepare_tracked(self, req: Any, comp: Any, ins: InsertArgs, finished: bool) -> int:
+        """Extra-buffer mode (SGLang's ``prepare_for_caching_req``): cache up to the last tracked snapshot."""
+        if comp is None or comp.mamba_ping_pong_track_buffer is None:
+            raise ValueError(
+                f"request {req.rid!r} holds no ping-pong tracking slots; admit it through kvcore.Engine or a "
+                "HybridReqToTokenPool(extra_buffer=True)")
+        cache_len = self.states.track(req)
+        if finished:
+            ins.mamba_value = self.states.tracked_slot(comp)
+            return cache_len or 0
+        if cache_len is None:
+            return 0
+        donated = self.states.donate_tracked(comp)
+        if donated is None:
+            return 0  # no slot for the tracking buffer: this snapshot stays uncached
+        ins.mamba_value = donated
+        return cache_len
+
     def after_cache_req(self, req: Any, finished: bool, ins: Any, result: Any) -> None:
         comp = mamba_state_of(req.kv)
+        extra = self.states.extra_buffer
         if finished:
-            if comp is None or not comp.holds_mamba:
+            if comp is None or (comp.mamba_pool_idx is None and comp.mamba_ping_pong_track_buffer is None):
                 return
             inserted = ins is not None and result is not None and not ins.mamba_exist
-            if inserted:
+            if extra:
+                # The tree keeps the tracked ping-pong slot it took; the rest go back.
+                self.r2t.free_mamba_cache(req.kv, keep=comp.mamba_last_track_idx if inserted else None)
+            elif inserted:
                 # Donated: the tree owns the slot now.
                 comp.mamba_pool_idx = None
                 comp.mamba_cow_src_index = None
@@ -293,6 +274,8 @@ class MambaComponent(TreeComponent):
             return
         if ins is not None and ins.mamba_value is not None and (result is None or ins.mamba_exist):
             self.mamba_pool.free(ins.mamba_value)
+        if extra and comp is not None and ins is not None and ins.mamba_value is not None:
+            comp.mamba_last_track_seqlen = None
 
     # -- locks -------------------------------------------------------------------------
     def lock(self, node: Any, lock: LockResult) -> None:
@@ -314,31 +297,7 @@ class MambaComponent(TreeComponent):
                 self._protected -= n
             node.mamba_lock_ref -= 1
 
-    # -- eviction ----------------------------------------------------------------------
-    def evict(self, target: int, tracker: dict[str, int]) -> None:
-        cache = self.cache
-        lru = self.lru
-        leaves = cache.leaves
-        cursor = lru.lru_unlocked()
-        while True:
-            if cursor is not None and cursor not in lru:
-                cursor = lru.lru_unlocked()
-            if tracker["mamba"] >= target or cursor is None:
-                return
-            x = cursor
-            cursor = lru.prev_unlocked(x)
-            if x in leaves:
-                cache.delete_leaf(x, tracker)
-            else:
-                cache.drop_value(x, self, tracker)
-
-    # -- sizes -------------------------------------------------------------------------
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
+    # -- checks ------------------------------------------------------------------------
     def check(self, node: Any) -> None:
         if node.mamba_value is None:
             assert node not in self.lru and node.mamba_lock_ref == 0, node

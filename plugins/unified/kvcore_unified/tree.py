@@ -30,16 +30,24 @@ from kvcore.keys import RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
-    AllPagesCleared,
+    KVEventLog,
     Node,
+    alloc_value,
     check_evict_count,
     check_locked,
+    checked_value,
+    child_key,
+    descend,
+    edge_match_len,
     iter_subtree,
+    join_values,
     path_to_root,
-    prefix_match_len,
+    path_values,
     record_removed,
     record_stored,
+    request_ids,
     split_node,
+    tree_lines,
 )
 from kvcore_unified.config import UnifiedConfig
 
@@ -113,7 +121,7 @@ class InsertArgs:
     claimed: bool = False
 
 
-class UnifiedRadixCache(BasePrefixCache):
+class UnifiedRadixCache(KVEventLog, BasePrefixCache):
     """SGLang's UnifiedRadixCache; the class is its own ``create_cache`` factory."""
 
     # What the components need of it differs (the swa component's full/window pools): typed loosely.
@@ -194,15 +202,7 @@ class UnifiedRadixCache(BasePrefixCache):
         for node in nodes:
             node.parent = None
         self._build_empty()
-        if self.enable_kv_events:
-            self._events.append(AllPagesCleared())
-
-    def take_events(self) -> list:
-        events, self._events = self._events, []
-        return events
-
-    def is_chunk_cache(self) -> bool:
-        return False
+        self.record_cleared()
 
     # ------------------------------------------------------------------ sizes
 
@@ -224,6 +224,16 @@ class UnifiedRadixCache(BasePrefixCache):
     def request_state_slots(self, kv: Any) -> int:
         return sum(c.request_state_slots(kv) for c in self.aux)
 
+    def backup_request_state(self, req: Req) -> Any:
+        """Each component's copy of what ``req`` holds beside its token slots (by name), or None."""
+        saved = {c.name: st for c in self.aux if (st := c.backup_request_state(req)) is not None}
+        return saved or None
+
+    def restore_request_state(self, req: Req, state: Any) -> None:
+        for c in self.aux:
+            if c.name in state:
+                c.restore_request_state(req, state[c.name])
+
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for c in self.aux:
@@ -238,15 +248,6 @@ class UnifiedRadixCache(BasePrefixCache):
         for c in self.aux:
             views.extend(c.pool_views())
         return views
-
-    # ------------------------------------------------------------------ keys
-
-    def _ck(self, ids: list[int], pos: int, extra_key: Any) -> Any:
-        ps = self.page_size
-        ck: Any = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-        if pos == 0 and extra_key is not None:
-            ck = (extra_key, ck)
-        return ck
 
     # ------------------------------------------------------------------ leaves
 
@@ -303,55 +304,41 @@ class UnifiedRadixCache(BasePrefixCache):
         best_items = 0
         best_len = 0
         extra = rk.extra_key
+        ps = self.page_size
         children = root.children
         while pos < n:
             try:
-                child = children.get(self._ck(ids, pos, extra))
+                child = children.get(child_key(ids, pos, ps, extra if pos == 0 else None))
             except TypeError:  # an unhashable element: report it the canonical way
                 check_token_ids(ids)
                 raise
             if child is None:
                 break
-            ckey = child.key
-            plen = len(ckey)
-            if pos + plen > n or ids[pos : pos + plen] != ckey:
-                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), self.page_size)
+            plen = edge_match_len(ids, pos, child.key, n, ps)
+            inside = plen < len(child.key)
+            if inside:
                 # Ids that compared equal to cached (valid) ones are valid; check the rest first.
                 self._validate(rk, pos + plen)
                 child = self.split(child, plen)
-                values.append(child.value)
-                pos += plen
-                node = child
-                if not validators or all([v(node) for v in validators]):
-                    best, best_items, best_len = node, len(values), pos
-                break
             values.append(child.value)
             pos += plen
             node = child
             if not validators or all([v(node) for v in validators]):
                 best, best_items, best_len = node, len(values), pos
+            if inside:
+                break
             children = node.children
         self._validate(rk, pos)
         for c in aux:
             c.after_match(best)
-        t = self.tick()
-        x: Any = best
-        while x is not None:
-            x.last_access_time = t
-            t -= 0.00001
-            x = x.parent
-        if best_items == 0:
-            indices = self._empty
-        elif best_items == 1:
-            indices = values[0]
-        else:
-            indices = torch.cat(values[:best_items])
+        self._stamp_path(best)
+        indices = join_values(values[:best_items], self._empty)
         result = UnifiedMatchResult(indices, best, best, best_len, {"matched_len": pos})
         return self._finish_match(result, cow_mamba, req)
 
     def _match_full(self, rk: RadixKey, ids: list[int], n: int) -> MatchResult:
         """``match_prefix`` of a full-only tree: every node is a valid end, so the deepest one wins."""
-        path, pos, split_child, m = self._descend(ids, n, rk.extra_key)
+        path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, rk.extra_key)
         self._validate(rk, pos + m)
         if split_child is not None:
             path.append(self.split(split_child, m))
@@ -361,14 +348,18 @@ class UnifiedRadixCache(BasePrefixCache):
             self.root_node.last_access_time = t
             return UnifiedMatchResult(self._empty, self.root_node, self.root_node, 0, {"matched_len": 0})
         best = path[-1]
+        self._stamp_path(best)
+        indices = best.value if len(path) == 1 else torch.cat([x.value for x in path])
+        return UnifiedMatchResult(indices, best, best, pos, {"matched_len": pos})
+
+    def _stamp_path(self, node: UnifiedNode) -> None:
+        """SGLang's match touch: one new time on ``node``, a hair older on each ancestor up to the root."""
         t = self.tick()
-        x: Any = best
+        x: Any = node
         while x is not None:
             x.last_access_time = t
             t -= 0.00001
             x = x.parent
-        indices = best.value if len(path) == 1 else torch.cat([x.value for x in path])
-        return UnifiedMatchResult(indices, best, best, pos, {"matched_len": pos})
 
     def _validate(self, rk: RadixKey, start: int) -> None:
         """Check the ids of ``rk`` from ``start`` on (the ones before compared equal to cached ids)."""
@@ -379,7 +370,7 @@ class UnifiedRadixCache(BasePrefixCache):
     def _matched_len(self, ids: list, n: int, extra_key: Any) -> int:
         """How many of ``ids[:n]`` the tree holds (to validate only the rest)."""
         try:
-            _, pos, _, m = self._descend(ids, n, extra_key)
+            _, pos, _, m = descend(self.root_node, ids, n, self.page_size, extra_key)
         except TypeError:
             return 0
         return pos + m
@@ -397,23 +388,6 @@ class UnifiedRadixCache(BasePrefixCache):
         return result
 
     # ------------------------------------------------------------------ insert
-
-    def _check_value(self, value: Any, key_len: int, aligned: int) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            try:
-                value = torch.as_tensor(list(value), dtype=torch.int64)
-            except (TypeError, ValueError):
-                raise TypeError(f"value must be a 1-D integer tensor of slots, got {type(value).__name__}") from None
-        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(
-                f"value must be a 1-D integer tensor of slots, got shape {tuple(value.shape)} dtype {value.dtype}"
-            )
-        if not aligned <= value.numel() <= key_len:
-            raise ValueError(
-                f"value has {value.numel()} slots but the key has {key_len} tokens"
-                + (f" ({aligned} page-aligned)" if aligned != key_len else "")
-            )
-        return value.to(device=self.device, dtype=torch.int64)
 
     def insert(self, key: Any, value: torch.Tensor | None = None, prev_prefix_len: int = 0,
                swa_evicted_seqlen: int = 0, *, mamba_value: torch.Tensor | None = None, chunked: bool = False,
@@ -442,12 +416,10 @@ class UnifiedRadixCache(BasePrefixCache):
         if value is None:
             if self.disable or n == 0:
                 return InsertResult(0, self.root_node, duplicates_freed=True)
-            value = self.token_to_kv_pool_allocator.alloc(n)
-            if value is None:
-                raise RuntimeError(f"cannot allocate {n} slots for insert(value=None): the pools are full")
+            value = alloc_value(self.token_to_kv_pool_allocator, n)
             prev_prefix_len = swa_evicted_seqlen = 0
         else:
-            value = self._check_value(value, len(ids), n)
+            value = checked_value(value, len(ids), n, self.device)
         if self.disable or n == 0:
             return InsertResult(0, self.root_node, duplicates_freed=True)
         value = value[:n]
@@ -466,6 +438,7 @@ class UnifiedRadixCache(BasePrefixCache):
                 ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
         root = self.root_node
         aux = self.aux
+        ps = self.page_size
         root.last_access_time = self.tick()
         if ins.priority > root.priority:
             root.priority = ins.priority
@@ -480,16 +453,14 @@ class UnifiedRadixCache(BasePrefixCache):
             if prev < pos:
                 dups.append(value[prev:pos])
         while pos < n and aux:
-            child = node.children.get(self._ck(ids, pos, extra_key))
+            child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
             if child is None:
                 break
             child.last_access_time = self.tick()
             for c in aux:
                 c.touch(child)
-            ckey = child.key
-            plen = len(ckey)
-            if pos + plen > n or ids[pos : pos + plen] != ckey:
-                plen = prefix_match_len(ids, pos, ckey, min(plen, n - pos), self.page_size)
+            plen = edge_match_len(ids, pos, child.key, n, ps)
+            if plen < len(child.key):
                 child = self.split(child, plen)
             if ins.priority > child.priority:
                 child.priority = ins.priority
@@ -520,35 +491,6 @@ class UnifiedRadixCache(BasePrefixCache):
                 c.after_insert(node)
         return pos, node
 
-    def _descend(self, ids: list[int], n: int, extra_key: Any) -> tuple[list[UnifiedNode], int, Any, int]:
-        """Read-only walk: (fully matched path, its length, the node a match ends inside or None, tokens in it)."""
-        ps = self.page_size
-        path: list[UnifiedNode] = []
-        pos = 0
-        children = self.root_node.children
-        ck: Any = ids[0] if ps == 1 else tuple(ids[:ps])
-        if extra_key is not None:
-            ck = (extra_key, ck)
-        while pos < n:
-            if pos:
-                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-            try:
-                child = children.get(ck)
-            except TypeError:  # an unhashable element: report it the canonical way
-                check_token_ids(ids)
-                raise
-            if child is None:
-                break
-            ckey = child.key
-            end = pos + len(ckey)
-            if end <= n and ids[pos:end] == ckey:
-                path.append(child)
-                pos = end
-                children = child.children
-                continue
-            return path, pos, child, prefix_match_len(ids, pos, ckey, min(len(ckey), n - pos), ps)
-        return path, pos, None, 0
-
     def _walk_full(self, ids: list[int], extra_key: Any, n: int, ins: InsertArgs,
                    rk: RadixKey | None, value: torch.Tensor) -> tuple[int, UnifiedNode]:
         """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
@@ -556,7 +498,7 @@ class UnifiedRadixCache(BasePrefixCache):
         A read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
         are validated before anything changes.
         """
-        path, pos, split_child, m = self._descend(ids, n, extra_key)
+        path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, extra_key)
         if rk is not None:
             self._validate(rk, pos + m)
         if self.strict and pos + m < n:
@@ -593,8 +535,7 @@ class UnifiedRadixCache(BasePrefixCache):
         if self.strict and not claimed:
             self.token_to_kv_pool_allocator.claim(node.value, checked=False)
         ps = self.page_size
-        ck = key[0] if ps == 1 else tuple(key[:ps])
-        node.ck = ck if extra_key is None or parent is not self.root_node else (extra_key, ck)
+        node.ck = child_key(key, 0, ps, extra_key if parent is self.root_node else None)
         parent.children[node.ck] = node
         self.full.added(node)
         self.update_leaf(node)
@@ -790,12 +731,6 @@ class UnifiedRadixCache(BasePrefixCache):
             lock = req.lock if isinstance(req.lock, LockResult) else None
             self.dec_lock_ref(node, lock)
 
-    def _req_ids(self, req: Req, n: int) -> list[int]:
-        ids = req.fill_ids
-        if len(ids) < n:
-            raise ValueError(f"request {req.rid!r} has {len(ids)} tokens but kv_committed_len={n}")
-        return ids[:n]
-
     def _prepare(self, req: Req, n: int, finished: bool) -> tuple[InsertArgs, int]:
         ins = InsertArgs(req.kv.cache_protected_len, 0, None, False, int(getattr(req, "priority", 0) or 0))
         eff = n
@@ -819,7 +754,7 @@ class UnifiedRadixCache(BasePrefixCache):
             req.lock = None
             return
         self._check_req_lock(req, "cache_finished_req")
-        ids = self._req_ids(req, committed)
+        ids = request_ids(req, committed)
         ins = None
         result = None
         if is_insert:
@@ -853,7 +788,7 @@ class UnifiedRadixCache(BasePrefixCache):
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
         self._check_req_lock(req, "cache_unfinished_req")
-        ids = self._req_ids(req, committed)
+        ids = request_ids(req, committed)
         ins, eff = self._prepare(req, committed, False)
         ins.chunked = chunked
         if eff <= 0:
@@ -878,7 +813,7 @@ class UnifiedRadixCache(BasePrefixCache):
             # the shorter match, leaving [new_len, aligned) owned by the tree *and* the request, whose
             # next insert would then free the tree's slots as its duplicates.  As the swa backend
             # does, the prefix and the lock come from the inserted path instead.
-            new = self._path_values(last)
+            new = path_values(last, self.root_node, self._empty)
             new_len = aligned
             new_node = last
         if new_len < protected:
@@ -896,17 +831,6 @@ class UnifiedRadixCache(BasePrefixCache):
         req.lock = lock
         for c in self.aux:
             c.after_cache_req(req, False, ins, InsertResult(prefix_len, last))
-
-    def _path_values(self, node: UnifiedNode) -> torch.Tensor:
-        parts = []
-        root = self.root_node
-        while node is not root:
-            parts.append(node.value)
-            node = node.parent
-        if not parts:
-            return self._empty
-        parts.reverse()
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # ------------------------------------------------------------------ introspection
 
@@ -933,16 +857,11 @@ class UnifiedRadixCache(BasePrefixCache):
             c.check_totals(root)
 
     def pretty_print(self) -> str:
-        lines: list[str] = []
+        def describe(x: UnifiedNode) -> str:
+            flags = " ".join(f"{c.name}={'T' if not c.has_value(x) else c.lock_ref(x)}" for c in self.aux)
+            return f"{x!r} {flags}"
 
-        def walk(node: UnifiedNode, depth: int) -> None:
-            for child in node.children.values():
-                flags = " ".join(f"{c.name}={'T' if not c.has_value(child) else c.lock_ref(child)}" for c in self.aux)
-                lines.append("  " * depth + f"{child!r} {flags}")
-                walk(child, depth + 1)
-
-        walk(self.root_node, 0)
-        text = "\n".join(lines)
+        text = "\n".join(tree_lines(self.root_node, describe))
         print(text)
         return text
 

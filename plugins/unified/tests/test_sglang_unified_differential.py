@@ -15,6 +15,7 @@ Skips without SGLang's source (``$KVCORE_SGLANG_SRC``).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import sys
@@ -449,15 +450,17 @@ def sgm():
 
 
 class MambaDiff:
-    def __init__(self, sg, *, page_size: int, size: int, mamba_size: int, chunk: int, seed: int):
+    def __init__(self, sg, *, page_size: int, size: int, mamba_size: int, chunk: int, seed: int,
+                 track_interval: int = 256):
         self.sg = sg
         self.ps = page_size
         self.size = size
+        self.chunk = chunk
         self.rng = random.Random(seed)
         self.log: list[str] = []
         self.ours = create_cache("unified", components=("full", "mamba"), size=size, page_size=page_size,
                                  max_num_reqs=4, max_context_len=256, mamba_size=mamba_size,
-                                 mamba_cache_chunk_size=chunk)
+                                 mamba_cache_chunk_size=chunk, mamba_track_interval=track_interval)
         self.oa = self.ours.token_to_kv_pool_allocator
         self.om = self.ours.mamba_pool
         self.sa = sg.make_allocator(size, page_size)
@@ -635,6 +638,8 @@ class MambaReqDiff(MambaDiff):
     state goes to the tree unless one is there).  State slots the caches take themselves are paired
     by tree position after each operation; the state pools' free sizes must still agree."""
 
+    max_base = 14  # prompt stems: up to this many tokens
+
     def __init__(self, sg, **kw):
         super().__init__(sg, **kw)
         self.live: list = []
@@ -686,6 +691,7 @@ class MambaReqDiff(MambaDiff):
         n = int(m.device_indices.numel())
         req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
         sreq.prefix_indices, sreq.last_node = sm.device_indices, sm.last_device_node
+        sreq.mamba_branching_seqlen = sm.mamba_branching_seqlen  # as SGLang's scheduler notes it
         req.lock = self.ours.inc_lock_ref(req.last_node)
         res = self.theirs.inc_lock_ref(sreq.last_node)
         sreq.swa_uuid_for_lock, sreq.skip_lock_node_ids = res.swa_uuid_for_lock, res.skip_lock_node_ids
@@ -761,7 +767,7 @@ class MambaReqDiff(MambaDiff):
 
     def run(self, ops: int) -> None:
         rng = self.rng
-        bases = [[rng.randrange(4) for _ in range(rng.randrange(2, 14))] for _ in range(4)]
+        bases = [[rng.randrange(4) for _ in range(rng.randrange(2, self.max_base))] for _ in range(4)]
         for _ in range(ops):
             base = rng.choice(bases)
             key = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
@@ -793,6 +799,170 @@ class MambaReqDiff(MambaDiff):
 def test_unified_full_mamba_requests_match_sglang(sgm, size, mamba_size, chunk):
     for seed in range(SEEDS):
         d = MambaReqDiff(sgm, page_size=1, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed)
+        try:
+            d.run(OPS)
+        except Mismatch:
+            raise
+        except Exception as exc:
+            tail = "\n  ".join(d.log[-30:])
+            raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
+
+
+class MambaReqDiffPaged(MambaReqDiff):
+    """(full, mamba) with requests at page size > 1: SGLang's extra-buffer mode.
+
+    Every request holds its own state slot and two ping-pong tracking slots (paired with
+    SGLang's at admission); the test plays SGLang's scheduler for SGLang's side (``s_track``:
+    a prefill extend of at least one chunk tracks at ``start + L // chunk * chunk`` or at the
+    branching point inside it, a decode step reaching a multiple of ``lcm(chunk, page,
+    interval)`` tracks there) and calls kvcore's ``track_mamba_state`` after each forward.
+    Full slots come from ``alloc_extend`` on both sides; the tracking fields are compared too.
+    """
+
+    max_base = 48
+
+    def __init__(self, sg, *, track_interval: int, **kw):
+        super().__init__(sg, track_interval=track_interval, **kw)
+        self.dgrid = math.lcm(self.chunk, self.ps, track_interval)
+        self.skips = 0
+
+    def pair_req_states(self) -> None:
+        for req, sreq in self.live:
+            comp, sk = req.kv.components["mamba"], sreq.kv
+            if comp.mamba_pool_idx is not None and sk.mamba_pool_idx is not None:
+                self.mpair[int(comp.mamba_pool_idx)] = int(sk.mamba_pool_idx)
+            if comp.mamba_ping_pong_track_buffer is not None and sk.mamba_ping_pong_track_buffer is not None:
+                for a, b in zip(comp.mamba_ping_pong_track_buffer.tolist(), sk.mamba_ping_pong_track_buffer.tolist()):
+                    self.mpair[int(a)] = int(b)
+
+    def compare(self, what: str) -> None:
+        self.pair_req_states()
+        super().compare(what)
+        for req, sreq in self.live:
+            comp, sk = req.kv.components["mamba"], sreq.kv
+            for f in ("mamba_next_track_idx", "mamba_last_track_idx", "mamba_last_track_seqlen"):
+                self.eq(f"{what}: {req.rid}.{f}", getattr(comp, f), getattr(sk, f))
+            ours = [int(self.mpair[int(x)]) for x in comp.mamba_ping_pong_track_buffer.tolist()]
+            self.eq(f"{what}: {req.rid} ping-pong", ours, sk.mamba_ping_pong_track_buffer.tolist())
+
+    def room(self, tokens: int) -> bool:
+        pages = -(-tokens // self.ps) * self.ps
+        if self.om.available_size() < 3:
+            self.evict(0, 3)
+        if self.oa.available_size() < pages:
+            self.evict(pages, 0)
+        return self.om.available_size() >= 3 and self.oa.available_size() >= pages
+
+    def grow(self, req, sreq, end: int) -> bool:
+        start = req.kv.kv_allocated_len
+        if end <= start:
+            return True
+        p = self.ps
+        if not self.room(((end + p - 1) // p - (start + p - 1) // p) * p):
+            return False
+        t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+        out = []
+        for a, rows, k in ((self.oa, self.ours.req_to_token_pool.req_to_token, req.kv),
+                           (self.sa, self.spool.req_to_token, sreq.kv)):
+            last = int(rows[k.req_pool_idx, start - 1]) if start else -1
+            out.append(a.alloc_extend(t(start), t(start), t(end), t(end), t(last), end - start))
+        o, s = out
+        assert o is not None and s is not None
+        self.pair[o] = s
+        self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end] = o.to(torch.int32)
+        self.spool.req_to_token[sreq.kv.req_pool_idx, start:end] = s.to(torch.int32)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
+        return True
+
+    def s_track(self, sreq, start: int, end: int, prefill: bool) -> None:
+        sk = sreq.kv
+        if prefill:
+            length = end - start
+            if length < self.chunk:
+                return
+            seqlen = start + length // self.chunk * self.chunk
+            br = sreq.mamba_branching_seqlen
+            if br is not None and start < br < end and (br - start) % self.chunk == 0:
+                seqlen = br
+        else:
+            if end % self.dgrid:
+                return
+            seqlen = end
+        sk.mamba_last_track_idx = sk.mamba_next_track_idx
+        sk.mamba_next_track_idx = self.spool.get_mamba_ping_pong_other_idx(sk.mamba_next_track_idx)
+        sk.mamba_last_track_seqlen = seqlen
+
+    def step(self, i: int) -> None:
+        req, sreq = self.live[i]
+        total = len(req.origin_input_ids)
+        start = req.kv.kv_committed_len
+        ps = self.ps
+        if start < total:
+            end = min(total, start + self.rng.choice([ps, 2 * ps, 3 * ps, 100]))
+            self.log.append(f"prefill {req.rid} -> {end}")
+            if not self.grow(req, sreq, end):
+                return
+            self.ours.track_mamba_state(req)
+            self.s_track(sreq, start, end, True)
+            chunked = end < total
+            kvcore.cache_unfinished_req(req, self.ours, chunked=chunked)
+            sk = sreq.kv
+            if (self.spool.mamba_allocator.available_size() or self.theirs.mamba_evictable_size()
+                    or sk.mamba_last_track_seqlen is None):
+                self.theirs.cache_unfinished_req(sreq, chunked=chunked)
+            else:
+                # Every state is held or locked: SGLang asserts; kvcore leaves the snapshot uncached.
+                self.log.append("  (no state slot: snapshot skipped)")
+                self.skips += 1
+                sreq.prefix_indices = self.spool.req_to_token[sk.req_pool_idx, :end].to(torch.int64)
+            self.eq("prefix_indices", self.mapped(req.prefix_indices), sreq.prefix_indices.tolist())
+            self.compare(f"prefill {req.rid}")
+            return
+        if start + 1 >= 256:
+            return
+        tok = self.rng.randrange(4)
+        req.output_ids.append(tok)
+        sreq.output_ids.append(tok)
+        self.log.append(f"decode {req.rid} {tok}")
+        if not self.grow(req, sreq, start + 1):
+            req.output_ids.pop()
+            sreq.output_ids.pop()
+            return
+        self.ours.track_mamba_state(req)
+        self.s_track(sreq, start, start + 1, False)
+        self.compare(f"decode {req.rid}")
+
+    def finish(self, i: int, is_insert: bool) -> None:
+        req, sreq = self.live[i]
+        if req.kv.kv_allocated_len == 0:  # never ran: the abort path
+            self.live.pop(i)
+            self.log.append(f"abort {req.rid}")
+            self.ours.dec_lock_ref(req.last_node, req.lock)
+            self.ours.req_to_token_pool.free(req)
+            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
+                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
+            self.spool.free_mamba_cache(sreq)
+            self.spool.free(sreq)
+            self.compare(f"abort {req.rid}")
+            return
+        self.live.pop(i)
+        self.log.append(f"finish {req.rid} insert={is_insert}")
+        kvcore.release_kv_cache(req, self.ours, is_insert)
+        self.theirs.cache_finished_req(sreq, is_insert, kv_len_to_handle=sreq.kv.kv_committed_len)
+        self.spool.free(sreq)
+        sreq.kv.kv_allocated_len = 0
+        self.eq(f"finish {req.rid}: record holds no state", self.ours.request_state_slots(req.kv), 0)
+        self.compare(f"finish {req.rid}")
+
+
+@pytest.mark.parametrize("size, mamba_size, chunk, interval", [(256, 16, 4, 4), (384, 30, 8, 16), (160, 12, 4, 8)],
+                         ids=["tight", "roomy", "scarce"])
+def test_unified_full_mamba_paged_requests_match_sglang(sgm, size, mamba_size, chunk, interval):
+    """Page size 4 requests (SGLang's extra-buffer mode) against SGLang's own UnifiedRadixCache."""
+    for seed in range(SEEDS):
+        d = MambaReqDiffPaged(sgm, page_size=4, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed,
+                              track_interval=interval)
         try:
             d.run(OPS)
         except Mismatch:

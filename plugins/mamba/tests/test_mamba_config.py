@@ -1,0 +1,35 @@
+"""kvcore-mamba's options: pre_alloc_size (a DecodeReqToTokenPool) is refused, not silently ignored."""
+
+from __future__ import annotations
+
+import pytest
+from kvcore_mamba.config import MambaConfig
+from pydantic import ValidationError
+
+import kvcore
+from kvcore import ConfigError, Engine, Req, create_cache
+
+
+def test_pre_alloc_size_is_refused_by_the_config():
+    with pytest.raises(ValidationError) as info:
+        MambaConfig(pre_alloc_size=4)
+    (err,) = info.value.errors()
+    assert err["loc"] == ("pre_alloc_size",)
+    msg = err["msg"]
+    assert "pre_alloc_size=4 is not supported by the mamba backend" in msg
+    assert "HybridMambaDecodeReqToTokenPool" in msg and "max_num_reqs" in msg  # what is missing, what to do
+
+
+def test_create_cache_names_the_option():
+    with pytest.raises(ConfigError, match=r"option 'pre_alloc_size'.*leave pre_alloc_size at 0"):
+        create_cache("mamba", pre_alloc_size=2)
+
+
+def test_zero_is_the_plain_row_pool():
+    cache = create_cache("mamba", pre_alloc_size=0, max_num_reqs=4, size=256, max_context_len=64)
+    assert cache.req_to_token_pool.size == 4
+    eng = Engine(cache)
+    r = Req("r", list(range(10)))
+    assert eng.admit(r) and eng.extend(r)
+    eng.finish(r)
+    kvcore.InvariantChecker(cache).check([])
