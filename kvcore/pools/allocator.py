@@ -22,6 +22,22 @@ def _cpu_lens(x: Lens) -> torch.Tensor:
     return torch.as_tensor(list(x), dtype=torch.int64).reshape(-1)
 
 
+def _np_lens(x: Any) -> np.ndarray | None:
+    """``x`` as a 1-D int64 numpy array when it is a CPU integer tensor or a list of ints, else None."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool \
+                or x.requires_grad:
+            return None
+        try:
+            a = x.numpy()
+        except (TypeError, RuntimeError):
+            return None
+        return a.astype(np.int64, copy=False).reshape(-1)
+    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+        return np.array(x, dtype=np.int64)
+    return None
+
+
 def checked_count(value: Any, what: str) -> int:
     """``value`` as an int (anything with ``__index__``), or TypeError naming ``what``; bools are refused."""
     if isinstance(value, bool):
@@ -118,6 +134,7 @@ class TokenToKVPoolAllocator:
         # a numpy op costs a fraction of a torch op's dispatch at these sizes.
         self._on_cpu = self._torch_device.type == "cpu"
         self._free_np = self._free_cnt.numpy() if self._on_cpu else None
+        self._ring_np = self._ring.numpy() if self._on_cpu else None
         self._ones = torch.ones(self.num_pages, dtype=torch.int32, device=device)
         self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)
         # Per slot id: non-zero when a cache (a tree node) owns the slot -- see claim().  Made on first use.
@@ -166,7 +183,10 @@ class TokenToKVPoolAllocator:
         """Commit taking ``pages`` (the result of _peek) off the front."""
         k = pages.numel()
         if k:
-            self._free_cnt.index_fill_(0, pages, 0)
+            if self._free_np is not None:
+                self._free_np[pages.numpy()] = 0
+            else:
+                self._free_cnt.index_fill_(0, pages, 0)
             self._head = (self._head + k) % self.num_pages
             self._count -= k
 
@@ -178,6 +198,9 @@ class TokenToKVPoolAllocator:
         """
         k = pages.numel()
         if not k:
+            return
+        if self._ring_np is not None:
+            self._push_np(pages.numpy())
             return
         if self.page_size > 1:
             head = (self._head - k) % self.num_pages
@@ -194,6 +217,25 @@ class TokenToKVPoolAllocator:
         if k > first:
             self._ring[: k - first] = pages[first:]
         self._count += k
+
+    def _push_np(self, pages: np.ndarray) -> None:
+        """``_push`` through the ring's numpy view (CPU): same order, a fraction of the cost."""
+        k = pages.size
+        if not k:
+            return
+        ring = self._ring_np
+        assert ring is not None
+        n = self.num_pages
+        if self.page_size > 1:
+            head = self._head = (self._head - k) % n
+            self._count += k
+        else:
+            head = (self._head + self._count) % n
+            self._count += k
+        first = min(k, n - head)
+        ring[head : head + first] = pages[:first]
+        if k > first:
+            ring[: k - first] = pages[first:]
 
     def _expand(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:
@@ -230,6 +272,11 @@ class TokenToKVPoolAllocator:
 
         With ``commit`` the pages are also marked free (the caller then pushes them).
         """
+        s = self._np_slots(slots)
+        if s is not None:
+            pages = self._checked_pages_np(s, commit)
+            if pages is not None:
+                return torch.from_numpy(pages)
         if self.page_size == 1:
             self._check_range(slots)
             return self._checked_page_ids(slots, commit)
@@ -240,6 +287,65 @@ class TokenToKVPoolAllocator:
         if lo < 1 or hi > self.num_pages:
             self._check_range(slots)  # raises, naming the slot
         return self._checked_page_ids(pages, commit)
+
+    def _np_slots(self, slots: torch.Tensor) -> np.ndarray | None:
+        """``slots`` as a numpy view when this pool lives on the CPU and they are a plain int64 tensor."""
+        if self._free_np is None or slots.dtype is not torch.int64:
+            return None
+        try:
+            return slots.numpy()
+        except (TypeError, RuntimeError):  # a tensor that needs grad, a conjugate view, ...
+            return None
+
+    def _sorted_pages_np(self, s: np.ndarray) -> np.ndarray | None:
+        """The distinct pages of slots ``s``, ascending (``torch.unique``'s order); None when not a power of two."""
+        shift = self._page_shift
+        if shift < 0:
+            return None
+        q = np.sort(s >> shift if shift else s)
+        if q.size > 1:
+            keep = np.empty(q.size, dtype=bool)
+            keep[0] = True
+            np.not_equal(q[1:], q[:-1], out=keep[1:])
+            q = q[keep]
+        return q
+
+    def _stamps_for(self, k: int) -> np.ndarray:
+        """1, 2, ..., k (int32): written to a map and read back, a slot named twice reads another's."""
+        stamps = self._stamps
+        if stamps.size < k:
+            stamps = self._stamps = np.arange(1, max(k, 2 * stamps.size, 1024) + 1, dtype=np.int32)
+            self._stamp_bytes = stamps.tobytes()
+        return stamps[:k]
+
+    def _checked_pages_np(self, s: np.ndarray, commit: bool) -> np.ndarray | None:
+        """``_checked_pages`` through numpy views (CPU); None where it does not apply."""
+        free = self._free_np
+        assert free is not None
+        n = self.num_pages
+        if not s.size:
+            return None
+        if self.page_size == 1:
+            # Page ids are slot ids: one unsigned max bounds both ends (1..num_pages).
+            if (s - 1).view(np.uint64).max() >= n:
+                return None  # the torch path names the bad slot
+            if np.count_nonzero(free[s]):
+                return None
+            k = s.size
+            free[s] = self._stamps_for(k)
+            if free[s].tobytes() != self._stamp_bytes[: 4 * k]:
+                free[s] = 0
+                return None  # a slot named twice: the torch path names it
+            free[s] = 1 if commit else 0
+            return s
+        pages = self._sorted_pages_np(s)
+        if pages is None:
+            return None
+        if pages[0] < 1 or pages[-1] > n or np.count_nonzero(free[pages]):
+            return None
+        if commit:
+            free[pages] = 1
+        return pages
 
     def _check_range(self, slots: torch.Tensor) -> None:
         p = self.page_size
@@ -360,11 +466,7 @@ class TokenToKVPoolAllocator:
         if np.count_nonzero(onp[s]) or np.count_nonzero(self._free_np[pages]):  # type: ignore[index]
             self._raise_unclaimable(slots, what)
         k = s.size
-        stamps = self._stamps
-        if stamps.size < k:
-            stamps = self._stamps = np.arange(1, min(max(k, 2 * stamps.size, 1024), onp.size) + 1, dtype=np.int32)
-            self._stamp_bytes = stamps.tobytes()
-        onp[s] = stamps[:k]
+        onp[s] = self._stamps_for(k)
         # Every position reads its own stamp back iff no slot is named twice.
         if onp[s].tobytes() != self._stamp_bytes[: 4 * k]:
             onp[s] = 0
@@ -447,6 +549,11 @@ class TokenToKVPoolAllocator:
         For a pool whose pages are only ever reached through another pool's checked slots
         (the window side of ``SWATokenToKVPoolAllocator``): the check there already covers them.
         """
+        if self._free_np is not None:
+            p = pages.numpy()
+            self._free_np[p] = 1
+            self._push_np(p)
+            return
         self._free_cnt.index_fill_(0, pages, 1)
         self._push(pages)
 
@@ -542,6 +649,9 @@ class TokenToKVPoolAllocator:
 
     def num_new_pages_extend(self, prefix_lens_cpu: Lens, seq_lens_cpu: Lens) -> int:
         p = self.page_size
+        a, b = _np_lens(prefix_lens_cpu), _np_lens(seq_lens_cpu)
+        if a is not None and b is not None and a.size == b.size:
+            return int(((b + p - 1) // p - (a + p - 1) // p).sum())
         pre, seq = _cpu_lens(prefix_lens_cpu), _cpu_lens(seq_lens_cpu)
         return int(((seq + p - 1) // p - (pre + p - 1) // p).sum())
 
@@ -559,6 +669,15 @@ class TokenToKVPoolAllocator:
         extend_num_tokens: int,
         num_new_pages: int | None = None,
     ) -> torch.Tensor | None:
+        if self._ring_np is not None:
+            a_pre, a_pre_cpu, a_seq, a_seq_cpu, a_last = (
+                _np_lens(x) for x in (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
+            )
+            if a_pre is not None and a_pre_cpu is not None and a_seq is not None and a_seq_cpu is not None \
+                    and a_last is not None and a_pre.size == a_pre_cpu.size == a_seq.size == a_seq_cpu.size \
+                    == a_last.size:
+                return self._alloc_extend_np(a_pre, a_pre_cpu, a_seq, a_seq_cpu, a_last, extend_num_tokens,
+                                             num_new_pages)
         pre_cpu, seq_cpu = _cpu_lens(prefix_lens_cpu), _cpu_lens(seq_lens_cpu)
         if pre_cpu.numel() != seq_cpu.numel():
             raise ValueError(f"{pre_cpu.numel()} prefix lengths but {seq_cpu.numel()} sequence lengths")
@@ -598,6 +717,64 @@ class TokenToKVPoolAllocator:
         out = torch.where(j < num1[req], last[req] + 1 + j, fresh)
         self._pop(pages)
         return out
+
+    def _alloc_extend_np(
+        self,
+        pre: np.ndarray,
+        pre_cpu: np.ndarray,
+        seq: np.ndarray,
+        seq_cpu: np.ndarray,
+        last: np.ndarray,
+        extend_num_tokens: int,
+        num_new_pages: int | None,
+    ) -> torch.Tensor | None:
+        """``alloc_extend`` in numpy (CPU pool, plain integer lengths): the same slots, fewer dispatches."""
+        ext_cpu = seq_cpu - pre_cpu
+        if bool((ext_cpu < 0).any()) or int(ext_cpu.sum()) != extend_num_tokens:
+            raise ValueError(
+                f"extend_num_tokens={extend_num_tokens} does not match seq_lens - prefix_lens"
+                f" (sum {int(ext_cpu.sum())}, all must be >= 0)"
+            )
+        p = self.page_size
+        if p == 1:
+            return self.alloc(extend_num_tokens)
+        if num_new_pages is None:
+            num_new_pages = int(((seq_cpu + p - 1) // p - (pre_cpu + p - 1) // p).sum())
+        if num_new_pages > self._count:
+            return None
+        pages_t = self._peek(num_new_pages)
+        pages = pages_t.numpy()
+        if pre.size <= 16:
+            # A few requests: per-request slices cost less than the vectorised form's ~20 array ops.
+            fresh_all = (pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
+            pieces = []
+            used = 0
+            for pr, sq, la in zip(pre.tolist(), seq.tolist(), last.tolist()):
+                n1 = min(sq, (pr + p - 1) // p * p) - pr
+                if n1:
+                    pieces.append(np.arange(la + 1, la + 1 + n1, dtype=np.int64))
+                rest = sq - pr - n1
+                if rest > 0:
+                    pieces.append(fresh_all[used : used + rest])
+                    used += (rest + p - 1) // p * p
+            out = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+            self._pop(pages_t)
+            return torch.from_numpy(out)
+        ext = seq - pre
+        num1 = np.minimum(seq, (pre + p - 1) // p * p) - pre
+        new_per_req = (seq + p - 1) // p - (pre + p - 1) // p
+        first_new = np.cumsum(new_per_req) - new_per_req
+        first_tok = np.cumsum(ext) - ext
+        req = np.repeat(np.arange(ext.size), ext)
+        j = np.arange(extend_num_tokens, dtype=np.int64) - first_tok[req]
+        n1 = num1[req]
+        k = np.maximum(j - n1, 0)
+        # One padding entry keeps the gather in bounds for tokens that take no new page.
+        padded = np.append(pages, 0)
+        fresh = padded[first_new[req] + k // p] * p + k % p
+        out = np.where(j < n1, last[req] + 1 + j, fresh)
+        self._pop(pages_t)
+        return torch.from_numpy(out)
 
     def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
         p = self.page_size

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcore.pools.allocator import (
     Lens,
     TokenToKVPoolAllocator,
     _cpu_lens,
+    _np_lens,
     checked_count,
     split_row_segments,
     trim_row_segments,
@@ -38,6 +40,10 @@ class SWATokenToKVPoolAllocator:
         self._mapping = torch.zeros(size + page_size + 1, dtype=torch.int64, device=device)
         self._mapping[-1] = -1
         self.full_to_swa_index_mapping = self._mapping[:-1]
+        # On the CPU the free path reads and clears the map through a numpy view (cheaper per op).
+        self._mapping_np = self._mapping.numpy() if torch.device(device).type == "cpu" else None
+        p = page_size
+        self._offsets_np = np.arange(p, dtype=np.int64)
         self.clear()
 
     @property
@@ -96,7 +102,7 @@ class SWATokenToKVPoolAllocator:
         full = self.full_attn_allocator.alloc(need_size)
         swa = self.swa_attn_allocator.alloc(need_size)
         assert full is not None and swa is not None
-        self.full_to_swa_index_mapping[full] = swa
+        self._map(full, swa)
         return full
 
     def alloc_extend(
@@ -113,7 +119,7 @@ class SWATokenToKVPoolAllocator:
         n = self.full_attn_allocator.num_new_pages_extend(prefix_lens_cpu, seq_lens_cpu)
         if n * self.page_size > self.available_size():
             return None
-        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
+        swa_last_loc = self._translate_last_loc(last_loc)
         full = self.full_attn_allocator.alloc_extend(
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, n
         )
@@ -121,8 +127,24 @@ class SWATokenToKVPoolAllocator:
             prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, swa_last_loc, extend_num_tokens, n
         )
         assert full is not None and swa is not None
-        self.full_to_swa_index_mapping[full] = swa
+        self._map(full, swa)
         return full
+
+    def _translate_last_loc(self, last_loc: Lens) -> torch.Tensor:
+        """``translate_loc_from_full_to_swa`` of last_loc (numpy on the CPU when every id is in [-1, size))."""
+        mapping = self._mapping_np
+        if mapping is not None:
+            la = _np_lens(last_loc)
+            if la is not None and (la.size == 0 or (la.min() >= -1 and la.max() < mapping.size - 1)):
+                return torch.from_numpy(mapping[la])
+        return self.translate_loc_from_full_to_swa(last_loc)
+
+    def _map(self, full: torch.Tensor, swa: torch.Tensor) -> None:
+        """Point the full slots at their window slots."""
+        if self._mapping_np is not None and full.device.type == "cpu" and swa.device.type == "cpu":
+            self._mapping_np[full.numpy()] = swa.numpy()
+        else:
+            self.full_to_swa_index_mapping[full] = swa
 
     def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
         if self.page_size == 1:
@@ -131,11 +153,11 @@ class SWATokenToKVPoolAllocator:
         n = self.full_attn_allocator.num_new_pages_decode(seq_lens_cpu)
         if n * self.page_size > self.available_size():
             return None
-        swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
+        swa_last_loc = self._translate_last_loc(last_loc)
         full = self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         swa = self.swa_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, swa_last_loc)
         assert full is not None and swa is not None
-        self.full_to_swa_index_mapping[full] = swa
+        self._map(full, swa)
         return full
 
     # ---- ownership by a cache (full-side slot ids) ---------------------------
@@ -167,6 +189,14 @@ class SWATokenToKVPoolAllocator:
             return
         # The full side checks range and double frees; the window slots are then the ones
         # this allocator mapped to those full slots, so they need no second check.
+        if self._mapping_np is not None:
+            s = full._np_slots(slots)
+            if s is not None:
+                pages = full._checked_pages_np(s, commit=True)
+                if pages is not None:
+                    full._push_np(pages)
+                    self._free_mapped_window_np(pages)
+                    return
         full.free(slots)
         self._free_mapped_window(slots)
 
@@ -229,6 +259,14 @@ class SWATokenToKVPoolAllocator:
         if slots.numel() == 0:
             return
         p = self.page_size
+        fast = self._mapping_np is not None and self._group is None and full._page_shift >= 0
+        s = full._np_slots(slots) if fast else None
+        if s is not None:
+            if s.view(np.uint64).max() >= full.size + p:  # a negative id becomes huge: one max bounds both ends
+                lo, hi = int(s.min()), int(s.max())
+                raise ValueError(f"slot {lo if lo < 0 else hi} is out of range: full slots are [{p}, {full.size + p})")
+            self._free_swa_np(s)
+            return
         lo, hi = (int(v) for v in torch.aminmax(slots))
         if lo < 0 or hi >= full.size + p:
             raise ValueError(f"slot {lo if lo < 0 else hi} is out of range: full slots are [{p}, {full.size + p})")
@@ -257,6 +295,45 @@ class SWATokenToKVPoolAllocator:
             window = self.swa_attn_allocator
             window._push_owned_pages(swa if p == 1 else torch.unique(window._page_ids(swa)))
         self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
+
+    def _free_swa_np(self, s: np.ndarray) -> None:
+        """``free_swa`` outside a free group through numpy views (``s``: full slots, in range)."""
+        mapping = self._mapping_np
+        assert mapping is not None
+        p = self.page_size
+        window = self.swa_attn_allocator
+        if p > 1:
+            pages = self.full_attn_allocator._sorted_pages_np(s)
+            assert pages is not None
+            s = (pages[:, None] * p + self._offsets_np).reshape(-1)
+        swa = mapping[s]
+        swa = swa[swa > 0]
+        if swa.size:
+            pushed = window._checked_pages_np(swa, commit=True)
+            if pushed is None:  # a bad window slot: the torch path names it, changing nothing
+                window.free(torch.from_numpy(swa))
+                raise AssertionError("unreachable: the window free above raises")
+            window._push_np(pushed)
+        # Cleared only after the free succeeded, so an error changes nothing.
+        mapping[s] = 0
+
+    def _free_mapped_window_np(self, pages: np.ndarray) -> None:
+        """``_free_mapped_window`` through numpy views, given the full side's freed pages (sorted, distinct)."""
+        mapping = self._mapping_np
+        assert mapping is not None
+        p = self.page_size
+        slots = pages if p == 1 else (pages[:, None] * p + self._offsets_np).reshape(-1)
+        swa = mapping[slots]
+        swa = swa[swa > 0]
+        if swa.size:
+            window = self.swa_attn_allocator
+            if p > 1:
+                swa = window._sorted_pages_np(swa)
+                assert swa is not None  # same page size as the full side, a power of two
+            assert window._free_np is not None
+            window._free_np[swa] = 1
+            window._push_np(swa)
+        mapping[slots] = 0
 
     def free_group_begin(self) -> None:
         self._group = []

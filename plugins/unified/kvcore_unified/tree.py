@@ -183,6 +183,8 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         return node
 
     def _build_empty(self) -> None:
+        # The last full-only match walk, for the insert of the same key (None once the tree's shape changes).
+        self._last_walk: tuple | None = None
         root = self.new_node()
         root.value = self._empty
         root.hash_value = []
@@ -270,6 +272,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     def split(self, child: UnifiedNode, k: int) -> UnifiedNode:
         """Cut ``child`` after ``k`` tokens; returns the new upper node (``child`` keeps the rest)."""
+        self._last_walk = None
         up = self.new_node(child.priority)
         ps = self.page_size
         split_node(child, k, up, ps)
@@ -339,10 +342,15 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
     def _match_full(self, rk: RadixKey, ids: list[int], n: int) -> MatchResult:
         """``match_prefix`` of a full-only tree: every node is a valid end, so the deepest one wins."""
         path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, rk.extra_key)
-        self._validate(rk, pos + m)
+        no01 = False
+        if not rk.validated:
+            no01 = check_token_ids(ids, pos + m, refuse_bools=self.strict)
+            rk.validated = True
         if split_child is not None:
             path.append(self.split(split_child, m))
             pos += m
+        # An engine inserts the key it just matched: the insert reuses this walk while the shape holds.
+        self._last_walk = (rk, n, path, pos, no01)
         if not path:
             t = self.tick()
             self.root_node.last_access_time = t
@@ -406,11 +414,13 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         n = floor_align(len(ids), ps)
         if not rk.validated and (self.aux or self.disable or n == 0 or value is None):
             self._validate(rk, self._matched_len(ids, n, rk.extra_key))
-        for name, v in (("prev_prefix_len", prev_prefix_len), ("swa_evicted_seqlen", swa_evicted_seqlen)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-            if v % ps:
-                raise ValueError(f"{name}={v} must be a multiple of page_size={ps}")
+        if not (type(prev_prefix_len) is int and type(swa_evicted_seqlen) is int and prev_prefix_len >= 0
+                and swa_evicted_seqlen >= 0 and not prev_prefix_len % ps and not swa_evicted_seqlen % ps):
+            for name, v in (("prev_prefix_len", prev_prefix_len), ("swa_evicted_seqlen", swa_evicted_seqlen)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+                if v % ps:
+                    raise ValueError(f"{name}={v} must be a multiple of page_size={ps}")
         if prev_prefix_len > n:
             raise ValueError(f"prev_prefix_len={prev_prefix_len} is longer than the page-aligned key ({n} tokens)")
         if value is None:
@@ -418,11 +428,13 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 return InsertResult(0, self.root_node, duplicates_freed=True)
             value = alloc_value(self.token_to_kv_pool_allocator, n)
             prev_prefix_len = swa_evicted_seqlen = 0
-        else:
+        elif not (type(value) is torch.Tensor and value.dtype is torch.int64 and value.dim() == 1
+                  and value.device == self.device and n <= value.shape[0] <= len(ids)):
             value = checked_value(value, len(ids), n, self.device)
         if self.disable or n == 0:
             return InsertResult(0, self.root_node, duplicates_freed=True)
-        value = value[:n]
+        if value.shape[0] != n:
+            value = value[:n]
         ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority)
         for c in self.aux:
             c.check_insert(n, ins)
@@ -436,8 +448,10 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     def _insert(self, ids: list[int], extra_key: Any, n: int, value: torch.Tensor,
                 ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
-        root = self.root_node
         aux = self.aux
+        if not aux:
+            return self._insert_full(ids, extra_key, n, value, ins, rk)
+        root = self.root_node
         ps = self.page_size
         root.last_access_time = self.tick()
         if ins.priority > root.priority:
@@ -446,13 +460,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         pos = 0
         prev = ins.prev_prefix_len
         dups: list[torch.Tensor] = []
-        if not aux:
-            # Full alone (what most engines run): nothing consumes the caller's slots, so its
-            # duplicates are one range, freed once; no per-node component calls.
-            pos, node = self._walk_full(ids, extra_key, n, ins, rk, value)
-            if prev < pos:
-                dups.append(value[prev:pos])
-        while pos < n and aux:
+        while pos < n:
             child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
             if child is None:
                 break
@@ -491,16 +499,73 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 c.after_insert(node)
         return pos, node
 
+    def _insert_full(self, ids: list[int], extra_key: Any, n: int, value: torch.Tensor,
+                     ins: InsertArgs, rk: RadixKey | None) -> tuple[int, UnifiedNode]:
+        """``_insert`` of a full-only tree (what most engines run): no per-node component calls.
+
+        Nothing consumes the caller's slots, so its duplicates are one range, freed in one call.
+        """
+        root = self.root_node
+        t = self._time
+        root.last_access_time = t
+        self._time = t + 1.0
+        if ins.priority > root.priority:
+            root.priority = ins.priority
+        pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value)
+        prev = ins.prev_prefix_len
+        if prev < pos:
+            # The caller's copies of what the tree held (SGLang frees them per node).
+            self.token_to_kv_pool_allocator.free(value[prev:pos])
+        ins.prefix_len = pos
+        if pos < n:
+            # The new leaf's own copy of its slots (one op: cheaper than slice + clone).
+            node = self.add_leaf(node, ids[pos:n], extra_key, torch.narrow_copy(value, 0, pos, n - pos),
+                                 ins.priority, claimed=ins.claimed, own=True)
+        return pos, node
+
+    def _reuse_walk(self, rk: RadixKey, n: int) -> tuple | None:
+        """The last full-only ``match_prefix`` walk when ``rk`` holds the same first ``n`` ids (and namespace).
+
+        Any change of the tree's shape (split, new leaf, deleted leaf, reset) clears it, so
+        its path still holds.  Returns ``(path, pos, ids)`` or None; ``ids`` are the matched
+        key's own, already checked, when ``rk``'s are not checked but that key's checked rest
+        held no 0 or 1 (a token equal to a checked id is taken as that id, as on the walked
+        path); else ``rk``'s, whose rest is checked here.
+        """
+        last = self._last_walk
+        if last is None or last[1] != n:
+            return None
+        lrk, _, path, pos, no01 = last
+        if lrk is not rk:
+            if rk.extra_key != lrk.extra_key or not rk.same_prefix(lrk, n):
+                return None
+            if lrk.validated and (rk.validated or (no01 and len(rk) == n)):
+                # (Only a key of whole pages: an unaligned tail of rk's own is checked below.)
+                return path, pos, lrk.token_ids
+        ids = rk.token_ids
+        if not rk.validated:
+            check_token_ids(ids, pos, refuse_bools=self.strict)
+            rk.validated = True
+        return path, pos, ids
+
     def _walk_full(self, ids: list[int], extra_key: Any, n: int, ins: InsertArgs,
-                   rk: RadixKey | None, value: torch.Tensor) -> tuple[int, UnifiedNode]:
+                   rk: RadixKey | None, value: torch.Tensor) -> tuple[int, UnifiedNode, list[int]]:
         """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
 
-        A read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
-        are validated before anything changes.
+        The last match's walk when it was of the same key (:meth:`_reuse_walk`), else a
+        read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
+        are validated before anything changes.  Returns the cached length, the node it ends
+        on and the ids to store.
         """
-        path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, extra_key)
-        if rk is not None:
-            self._validate(rk, pos + m)
+        reused = self._reuse_walk(rk, n) if rk is not None else None
+        if reused is not None:
+            path, pos, ids = reused
+            split_child, m = None, 0
+        else:
+            path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, extra_key)
+            if rk is not None:
+                self._validate(rk, pos + m)
+        self._last_walk = None
         if self.strict and pos + m < n:
             # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
             self.token_to_kv_pool_allocator.check_claimable(value[pos + m : n], commit=True)
@@ -523,23 +588,28 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 node.priority = prio
             node.hit_count += hit
             pos += m
-        return pos, node
+        return pos, node, ids
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: Any, value: torch.Tensor,
-                 priority: int = 0, claimed: bool = False) -> UnifiedNode:
+                 priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
+        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is."""
+        self._last_walk = None
         node = self.new_node(priority)
         node.parent = parent
         node.key = key
         node.extra_key = extra_key
-        node.value = value.clone()
+        node.value = value if own else value.clone()
         if self.strict and not claimed:
             self.token_to_kv_pool_allocator.claim(node.value, checked=False)
         ps = self.page_size
         node.ck = child_key(key, 0, ps, extra_key if parent is self.root_node else None)
         parent.children[node.ck] = node
         self.full.added(node)
-        self.update_leaf(node)
-        self.update_leaf(parent)
+        if self.aux:
+            self.update_leaf(node)
+        else:
+            self.leaves.add(node)  # full-only: a new, unlocked node without children is a leaf
+        self.leaves.discard(parent)  # it has a child now
         if self.enable_kv_events:
             record_stored(self._events, node, ps)
         return node
@@ -674,6 +744,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         for c in self.components:
             if c.has_value(x):
                 tracker[c.name] += c.free_value(x)
+        self._last_walk = None
         self.leaves.discard(x)
         parent = x.parent
         del parent.children[x.ck]
