@@ -138,11 +138,11 @@ def run(backend: str, page_size: int, args) -> RunResult:
             # ---- the window moved: free what left it, one allocator free for the step (as SGLang's free group)
             res.free_swa_calls += len(running)
             if args.batch_free:
-                engine.free_window(running)
+                engine.cache.free_window_slots(running)
             else:
                 alloc.free_group_begin()
                 for q in running:
-                    engine.free_window([q])
+                    engine.cache.free_window_slots([q])
                 alloc.free_group_end()
         if args.check_every and step % args.check_every == 0:
             engine.check(running)

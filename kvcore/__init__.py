@@ -31,14 +31,15 @@ from kvcore.release import (
     cache_unfinished_req,
     free_swa_out_of_window_slots,
     free_swa_out_of_window_slots_batch,
-    free_window_slots,
     release_kv_cache,
 )
+from kvcore.forwarding import ForwardingCache
 from kvcore.session import SessionSlot, StreamingSession
 
 __version__ = _version("kvcore")
 
 __all__ = [
+    "ForwardingCache",
     "BackendNotFound",
     "BasePrefixCache",
     "CacheConfig",
@@ -76,7 +77,6 @@ __all__ = [
     "create_cache",
     "free_swa_out_of_window_slots",
     "free_swa_out_of_window_slots_batch",
-    "free_window_slots",
     "hookimpl",
     "hookspec",
     "plugin_failures",

@@ -12,6 +12,7 @@ import torch
 from kvcore.keys import KeyLike
 
 if TYPE_CHECKING:
+    from kvcore.config import CacheConfig, CacheInitParams
     from kvcore.pools.req_to_token import ReqToTokenPool
     from kvcore.pools.views import PoolView, TokenAllocator
     from kvcore.record import Req, ReqKvInfo
@@ -40,6 +41,11 @@ class MatchResult(NamedTuple):
     def prefix_len(self) -> int:
         return int(self.device_indices.numel())
 
+    @property
+    def mamba_branching_seqlen(self) -> int | None:
+        """Where a recurrent-state backend's match could branch a state (SGLang's name); None elsewhere."""
+        return self.extras.get("mamba_branching_seqlen") if self.extras else None
+
 
 @dataclass(slots=True)
 class InsertResult:
@@ -47,18 +53,28 @@ class InsertResult:
 
     ``duplicates_freed`` is True when ``insert`` itself freed the caller's slots
     of that already-cached part (SGLang's SWA tree does); otherwise they are the
-    caller's to free.
+    caller's to free.  ``mamba_exist`` (recurrent-state backends): the tree already
+    held a state at the key's end, so the caller keeps (frees) the one it offered.
     """
 
     prefix_len: int
     last_device_node: Any = None
     duplicates_freed: bool = False
+    mamba_exist: bool = False
 
 
 @dataclass(slots=True)
 class EvictResult:
+    """What ``evict`` freed: full-pool tokens, window tokens, states, and every component's count.
+
+    ``by_component`` (component trees such as ``unified``) maps each component
+    name to what it freed; None for backends without components.
+    """
+
     num_tokens_evicted: int = 0
     swa_num_tokens_evicted: int = 0
+    mamba_num_evicted: int = 0
+    by_component: dict | None = None
 
 
 @dataclass(slots=True)
@@ -67,12 +83,29 @@ class LockResult:
 
     ``delta`` is the change in protected tokens; ``stop`` marks where a lock with
     a limited scope stopped (a window lock covers only the last window's nodes),
-    so the unlock stops at the same node.
+    so the unlock stops at the same node.  ``extras`` holds the backend's own
+    per-component deltas and scopes (``swa_delta``, ``swa_tokens``, ...).
+
+    ``released`` says that ``dec_lock_ref`` took this lock back; ``released_early``
+    names the components given back before the rest (``dec_swa_lock_only``: ``"swa"``).
+    Every backend refuses a lock given back twice (:meth:`check_not_released`).
     """
 
     delta: int = 0
     stop: Any = None
     extras: dict = field(default_factory=dict)
+    released: bool = False
+    released_early: set[str] = field(default_factory=set)
+
+    @property
+    def swa_released(self) -> bool:
+        """The window part went back early (``dec_swa_lock_only``); the full part is still held."""
+        return "swa" in self.released_early
+
+    def check_not_released(self, what: str, node: Any) -> None:
+        """The one rule for a lock given back twice: ValueError, before anything changes."""
+        if self.released:
+            raise ValueError(f"{what}: this lock on {node!r} was already given back (nothing was changed)")
 
 
 class SlotOwner(NamedTuple):
@@ -95,8 +128,18 @@ class BasePrefixCache(ABC):
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool_allocator: TokenAllocator
     page_size: int
+    config: CacheConfig
     # The K/V data buffer built from the ``kv_buffer`` option (CacheInitParams.kv_pool), if any.
     kv_pool: Any = None
+    # ``disable``: match nothing, insert nothing (SGLang's flag); ``strict``: every bad input refused
+    # before anything changes (slot ownership checked on insert).
+    disable: bool = False
+    strict: bool = True
+    # Capabilities a backend declares (never probed by calling): ``dec_swa_lock_only`` gives back a
+    # window lock early (SGLang's SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW).
+    supports_window_lock_release: bool = False
+    # The tree's root node (SGLang's ``root_node``, for a scheduler's DFS over ``children``); None without a tree.
+    root_node: Any = None
     # Set by create_cache: the registered name, this cache's own plugin manager and its hook relay.
     backend_name: str = ""
     plugin_manager: Any = None
@@ -104,6 +147,19 @@ class BasePrefixCache(ABC):
     # Set by create_cache from the device its pools were built for (DeviceSpec.page_aligned_sessions):
     # a StreamingSession then reuses only whole pages of a finished turn (SGLang's NPU rule).
     session_page_aligned: bool = False
+
+    def __init__(self, params: CacheInitParams) -> None:
+        """Take the built pools, the page size and the validated config from ``params``.
+
+        Every backend's constructor starts here (``super().__init__(params)``), so the
+        pools an engine allocates from are the ones the cache frees to.
+        """
+        self.config = params.config
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.kv_pool = params.kv_pool
+        self.page_size = int(params.page_size)
+        self.strict = bool(params.config.strict)
 
     # -- lookups and updates ------------------------------------------------
 
@@ -157,13 +213,62 @@ class BasePrefixCache(ABC):
 
         A scheduler calls it once a request has decoded past the window
         (``SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW``); ``dec_lock_ref(node, lock)``
-        later gives back the full side.  Windowed backends (``swa``, ``swa-chunk``) override
-        it and answer a no-op for ``node=None``; this default refuses whatever ``node`` is,
-        so asking once with ``None`` tells whether a backend supports it.
+        later gives back the full side.  Backends that declare
+        ``supports_window_lock_release`` override it; this default refuses.
         """
         raise NotImplementedError(
-            f"backend {type(self).__name__} cannot release a window lock early (dec_swa_lock_only)"
+            f"backend {type(self).__name__} cannot release a window lock early (dec_swa_lock_only); "
+            "check supports_window_lock_release first"
         )
+
+    # -- the request's lock: one rule for every backend ---------------------
+
+    def check_node_locked(self, node: Any, what: str) -> None:
+        """Raise (TypeError for a foreign node, ValueError for an unlocked one) unless ``node`` is a
+        node of this cache whose path a request's lock holds.  Tree backends override it; the
+        default (a cache without nodes) accepts anything."""
+
+    def check_req(self, req: Req, what: str) -> None:
+        """Refuse a lifecycle call the request's state does not fit, before anything changes.
+
+        ``cache_finished_req`` and ``cache_unfinished_req`` of every backend start here:
+        the record must hold a row this cache's pool handed out (not released already,
+        not another cache's), its lengths must be sound (``ReqKvInfo.check_fields``),
+        and its lock must still be held (``check_req_lock``).
+        """
+        kv = req.kv
+        pool = self.req_to_token_pool
+        if pool is None:  # a tree-only cache (no pools): the caller owns rows and slots
+            return
+        if not pool.holds(kv):
+            state = "holds no req_to_token row (released already, or never admitted)" if not kv.is_held else (
+                f"holds row {kv.req_pool_idx}, which this cache's pool did not hand to it (another cache's?)")
+            raise ValueError(f"{what}: request {req.rid!r} {state}; nothing was changed")
+        kv.check_fields(f"{what}: request {req.rid!r}", self.page_size, pool.max_context_len)
+        self.check_req_lock(req, what)
+
+    def check_req_lock(self, req: Req, what: str) -> None:
+        """Refuse ``req`` before anything changes when its lock went back already (a ``dec_lock_ref``
+        by hand) or its node is not locked in this cache.  ``cache_finished_req`` and
+        ``cache_unfinished_req`` call it first."""
+        node = req.last_node
+        if node is None or self.disable:
+            return
+        lock = req.lock
+        if lock is not None and lock.released:
+            raise ValueError(
+                f"{what}: request {req.rid!r}'s lock on {node!r} was already given back (a dec_lock_ref by hand?); "
+                "nothing was changed"
+            )
+        self.check_node_locked(node, what)
+
+    def release_req_lock(self, req: Req) -> None:
+        """Give back ``req``'s lock (``dec_lock_ref(req.last_node, req.lock)``) and clear both fields."""
+        node = req.last_node
+        if node is not None:
+            self.dec_lock_ref(node, req.lock)
+        req.last_node = None
+        req.lock = None
 
     # -- sizes --------------------------------------------------------------
 
@@ -178,6 +283,14 @@ class BasePrefixCache(ABC):
 
     def reset(self) -> None:
         """Drop every cached entry (and free its slots)."""
+
+    def format_tree(self) -> str:
+        """The cache's structure as text, one node a line (tree backends override it)."""
+        return f"<{type(self).__name__}: evictable={self.evictable_size()} protected={self.protected_size()}>"
+
+    def pretty_print(self, file: Any = None) -> None:
+        """Print ``format_tree()`` (to ``file``, default stdout), as SGLang's ``pretty_print`` does."""
+        print(self.format_tree(), file=file)
 
     def take_events(self) -> list:
         return []

@@ -31,20 +31,15 @@ class ChunkCache(BasePrefixCache):
                 f"{type(self).__name__} needs a token_to_kv_pool_allocator (got None); "
                 "kvcore.create_cache builds the pools from the options"
             )
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = params.page_size
-        self.config = params.config
-        self.kv_pool = params.kv_pool
+        super().__init__(params)
         self.device = self.token_to_kv_pool_allocator.device
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
 
     def is_chunk_cache(self) -> bool:
         return True
 
-    @property
-    def disable(self) -> bool:
-        return True
+    # Nothing is ever cached (SGLang's ChunkCache answers disable=True too).
+    disable = True
 
     def match_prefix(self, key) -> MatchResult:
         as_radix_key(key)
@@ -57,10 +52,12 @@ class ChunkCache(BasePrefixCache):
         return InsertResult(prefix_len=0)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        self.check_req(req, "cache_finished_req")
         # The protected prefix is not this request's to free.
         self.free_kv_row(req.kv, [(req.kv.cache_protected_len, req.kv.kv_committed_len)])
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        self.check_req(req, "cache_unfinished_req")
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len]
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
 
@@ -74,5 +71,5 @@ class ChunkCache(BasePrefixCache):
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         return LockResult(delta=0)
 
-    def pretty_print(self) -> str:
+    def format_tree(self) -> str:
         return ""

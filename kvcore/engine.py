@@ -63,7 +63,7 @@ allocator the cache frees to::
    position ``kv_allocated_len`` of each row, the token appended to
    ``output_ids`` and ``kv_allocated_len = kv_committed_len`` one further.
    Schedulers that free the window on their own cadence pass
-   ``free_window=False`` and call ``free_window(reqs)`` themselves.
+   ``free_window=False`` and call ``cache.free_window_slots(reqs)`` themselves.
 
 4. **Finish** (``finish(req)``): ``kvcore.release_kv_cache``: the cache takes the
    committed KV (tree insert, duplicates freed, lock dropped), the
@@ -131,7 +131,7 @@ slots run short, unless ``release_idle_sessions=False``).
 row; ``fits(n)`` and ``make_room(n)`` to test and evict without allocating;
 ``alloc_decode(rows, seq_lens, seq_lens_cpu)`` for a decode step over tensors
 the scheduler keeps itself (the records are then the scheduler's to move);
-``free_window(reqs, pre_lens)`` on its own cadence with
+``cache.free_window_slots(reqs, pre_lens)`` on its own cadence with
 ``decode(..., free_window=False)``; ``release_idle_sessions=False`` to decide
 itself when sessions go; ``on_evict`` and ``kv_writer`` for its counters and
 K/V writes.
@@ -221,8 +221,6 @@ class Engine:
     ) -> None:
         self._cache = cache
         self._sessions = cache if isinstance(cache, StreamingSession) else None
-        # Aborts bypass the session wrapper: an aborted first turn must not become a session.
-        self._inner = cache.inner if isinstance(cache, StreamingSession) else cache
         self._r2t = cache.req_to_token_pool
         # alloc_extend / alloc_decode (SGLang's batch allocation) are not in the TokenAllocator protocol yet.
         self._alloc: Any = cache.token_to_kv_pool_allocator
@@ -526,10 +524,6 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ 3. decode
-    def free_window(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-        """``cache.free_window_slots(reqs, pre_lens)``: one window free for a batch (0 without a window)."""
-        return self._cache.free_window_slots(reqs, pre_lens)
-
     def decode(self, reqs: Sequence[Req], tokens: Sequence[int] | None = None, *, free_window: bool = True) -> int:
         """One batched decode step: a slot and a token for every request.
 
@@ -591,8 +585,11 @@ class Engine:
         elif req.kv.is_held:
             if req.kv.kv_allocated_len == 0 and req.kv.swa_evicted_seqlen == 0:
                 self._drop(req)
+            elif s is not None:
+                # An aborted first turn must not become a session.
+                s.abort_req(req)
             else:
-                release_kv_cache(req, self._inner, is_insert=False)
+                release_kv_cache(req, self._cache, is_insert=False)
         req.prefix_indices = _EMPTY
         req.last_node = None
         req.lock = None
@@ -615,7 +612,7 @@ class Engine:
         kv = req.kv
         backup = None
         if mode == "offload" and kv.is_held and 0 < req.seqlen - 1 <= kv.kv_allocated_len:
-            backup = req.offload_kv_cache(self._r2t, self._alloc, cache=self._inner)
+            backup = req.offload_kv_cache(self._r2t, self._alloc, cache=self._cache)
             self.offloaded_tokens += backup.num_tokens
             self.offloaded_bytes += backup.nbytes
         floor = kv.swa_evict_floor
@@ -653,7 +650,7 @@ class Engine:
             self._r2t.free(req)
             return False
         kv.kv_committed_len = n
-        req.load_kv_cache(self._r2t, self._alloc, cache=self._inner)
+        req.load_kv_cache(self._r2t, self._alloc, cache=self._cache)
         self.loaded_bytes += backup.nbytes
         req.is_retracted = False
         if self.cache_prompt:

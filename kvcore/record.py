@@ -86,6 +86,44 @@ class ReqKvInfo:
             lo = ceil_align(lo, page_size)
         return lo
 
+    def check_fields(self, owner: str, page_size: int = 1, row_width: int | None = None) -> None:
+        """Refuse a record whose lengths a release path or a window free cannot trust; nothing changes.
+
+        The one place that validates a record before kvcore frees through it: every
+        length an int (not a bool or a float) and not negative, ``protected <=
+        committed <= allocated <= row_width``, and the window cursor not past what
+        the request committed (or, under prefill-aware SWA, its page-rounded floor).
+        TypeError or ValueError naming ``owner`` and the field.
+        """
+        lengths = (
+            ("cache_protected_len", self.cache_protected_len),
+            ("kv_committed_len", self.kv_committed_len),
+            ("kv_allocated_len", self.kv_allocated_len),
+            ("swa_evict_floor", self.swa_evict_floor),
+            ("swa_evicted_seqlen", self.swa_evicted_seqlen),
+        )
+        for name, value in lengths:
+            if type(value) is not int:
+                raise TypeError(f"{owner}: {name}={value!r} is not an int (nothing was changed)")
+            if value < 0:
+                raise ValueError(f"{owner}: {name}={value} is negative (nothing was changed)")
+        if not self.cache_protected_len <= self.kv_committed_len <= self.kv_allocated_len:
+            raise ValueError(
+                f"{owner}: needs cache_protected_len <= kv_committed_len <= kv_allocated_len, got "
+                f"{self.cache_protected_len}, {self.kv_committed_len}, {self.kv_allocated_len} (nothing was changed)"
+            )
+        if row_width is not None and self.kv_allocated_len > row_width:
+            raise ValueError(
+                f"{owner}: kv_allocated_len={self.kv_allocated_len} exceeds the row width {row_width} "
+                "(nothing was changed)"
+            )
+        cursor_limit = max(self.kv_committed_len, self.swa_dead_lo(page_size))
+        if self.swa_evicted_seqlen > cursor_limit:
+            raise ValueError(
+                f"{owner}: the window cursor swa_evicted_seqlen={self.swa_evicted_seqlen} is past what the request "
+                f"committed ({self.kv_committed_len}); window slots in between would leak (nothing was changed)"
+            )
+
     @property
     def is_held(self) -> bool:
         return self.req_pool_idx is not None

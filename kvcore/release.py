@@ -18,7 +18,6 @@ __all__ = [
     "cache_unfinished_req",
     "free_swa_out_of_window_slots",
     "free_swa_out_of_window_slots_batch",
-    "free_window_slots",
 ]
 
 
@@ -51,13 +50,10 @@ def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True, *
             f"request {req.rid!r}: its req_to_token row {kv.req_pool_idx} was not handed to it by this cache's "
             "pool: release it on the cache that admitted it"
         )
+    if not kv.is_held and kv.is_released:
+        return  # holds nothing: released already, or never admitted
+    kv.check_fields(f"request {req.rid!r}", cache.page_size, cache.req_to_token_pool.max_context_len)
     _check_released_iff_not_held(req, "before release")
-    if not req.kv.is_held:
-        return
-    if kv.kv_committed_len > kv.kv_allocated_len:
-        raise ValueError(
-            f"request {req.rid!r}: kv_committed_len={kv.kv_committed_len} > kv_allocated_len={kv.kv_allocated_len}"
-        )
     effective = req.effective_kv_committed_len()
     if not speculative and effective == kv.kv_committed_len and kv.kv_committed_len != kv.kv_allocated_len:
         raise ValueError(
@@ -96,6 +92,22 @@ def cache_unfinished_req(req: Req, cache: BasePrefixCache, chunked: bool = False
         cache.cache_unfinished_req(req, chunked)
     else:
         hook.cache_unfinished_req(req=req, chunked=chunked)
+
+
+def _check_window_request(req: Req, pre_len: int, page_size: int, req_to_token_pool) -> None:
+    """Refuse a window free the record or ``pre_len`` cannot support, before any cursor moves."""
+    kv = req.kv
+    if not req_to_token_pool.holds(kv):
+        raise ValueError(
+            f"request {req.rid!r}: its req_to_token row {kv.req_pool_idx} is not one this cache's pool handed "
+            "out; free its window on the cache that admitted it (nothing was changed)"
+        )
+    kv.check_fields(f"request {req.rid!r}", page_size, req_to_token_pool.max_context_len)
+    if type(pre_len) is not int or not 0 <= pre_len <= kv.kv_allocated_len:
+        raise ValueError(
+            f"request {req.rid!r}: pre_len={pre_len!r} must be an int in [0, kv_allocated_len={kv.kv_allocated_len}] "
+            "(nothing was changed)"
+        )
 
 
 def _window_cursor(req: Req, pre_len: int, window: int, page_size: int, is_chunk_cache: bool,
@@ -142,6 +154,7 @@ def free_swa_out_of_window_slots(
     kv = req.kv
     if not kv.is_held:
         return
+    _check_window_request(req, pre_len, page_size, req_to_token_pool)
     new_cursor = _window_cursor(req, pre_len, sliding_window_size, page_size, is_chunk_cache, retain_floor)
     if new_cursor > kv.swa_evicted_seqlen:
         slots = req_to_token_pool.req_to_token[kv.req_pool_idx, kv.swa_evicted_seqlen:new_cursor]
@@ -166,6 +179,19 @@ def free_swa_out_of_window_slots_batch(
     frees window slots every step calls this once per step, not once per request.
     Returns the number of window positions released.
     """
+    if len(pre_lens) != len(reqs) or (retain_floors is not None and len(retain_floors) != len(reqs)):
+        raise ValueError(
+            f"free_swa_out_of_window_slots_batch: {len(reqs)} requests but {len(pre_lens)} pre_lens"
+            + ("" if retain_floors is None else f" and {len(retain_floors)} retain_floors")
+            + " (nothing was changed)"
+        )
+    seen: set[int] = set()
+    for req, pre_len in zip(reqs, pre_lens):
+        if req.kv.is_held:
+            if id(req.kv) in seen:
+                raise ValueError(f"request {req.rid!r} appears twice in the window free (nothing was changed)")
+            seen.add(id(req.kv))
+            _check_window_request(req, pre_len, page_size, req_to_token_pool)
     table = req_to_token_pool.req_to_token
     pieces: list[torch.Tensor] = []
     total = 0
@@ -186,12 +212,3 @@ def free_swa_out_of_window_slots_batch(
         for kv, new_cursor in moves:
             kv.swa_evicted_seqlen = new_cursor
     return total
-
-
-def free_window_slots(cache: BasePrefixCache, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-    """Free what left the window for a decode batch with ``cache``'s own settings: ``cache.free_window_slots``.
-
-    ``pre_lens`` defaults to each record's allocated length; a cache without a
-    window frees nothing.  Returns the number of window positions released.
-    """
-    return cache.free_window_slots(reqs, pre_lens)

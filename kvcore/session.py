@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.cache import BasePrefixCache, EvictResult, LockResult, MatchResult, SlotOwner
+from kvcore.cache import BasePrefixCache, LockResult, MatchResult
+from kvcore.forwarding import ForwardingCache
 from kvcore.keys import as_radix_key
 from kvcore.record import ReqKvInfo, ceil_align, floor_align
 from kvcore.release import cache_unfinished_req as _dispatch_unfinished
+from kvcore.release import release_kv_cache
 
 if TYPE_CHECKING:
     from kvcore.pools.views import PoolView
@@ -117,24 +119,16 @@ def common_prefix_len(a: list, b: list, n: int) -> int:
     return lo
 
 
-class StreamingSession(BasePrefixCache):
-    """Adds streaming-session save/restore on top of any backend."""
+class StreamingSession(ForwardingCache):
+    """Adds streaming-session save/restore on top of any backend.
+
+    Every protocol call the session does not change reaches the backend through
+    :class:`~kvcore.forwarding.ForwardingCache`, which forwards each one explicitly.
+    """
 
     def __init__(self, inner: BasePrefixCache):
-        self.inner = inner
+        super().__init__(inner)
         self.slots: dict[str, SessionSlot] = {}
-        self.hook = None  # lifecycle calls reach the inner cache's own hook
-        # The inner cache's pools: a backend never swaps them after it is built.
-        self.req_to_token_pool = inner.req_to_token_pool
-        self.token_to_kv_pool_allocator = inner.token_to_kv_pool_allocator
-        self.page_size = inner.page_size
-        self.kv_pool = inner.kv_pool
-
-    def __getattr__(self, name: str):
-        # Backend-specific attributes (sliding_window_size, ...) read through.
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     # -- sessions ----------------------------------------------------------
     def _active_slot(self, req: Req | None) -> SessionSlot | None:
@@ -269,27 +263,18 @@ class StreamingSession(BasePrefixCache):
                 yield s
 
     # -- BasePrefixCache ---------------------------------------------------
-    def match_prefix(self, key, req: Req | None = None) -> MatchResult:
+    def match_prefix(self, key: Any, req: Req | None = None, **kwargs: Any) -> MatchResult:
+        """The session's KV for ``req``'s turn when it holds some, else the backend's match of ``key``."""
         result = self.try_match_prefix(key, req) if req is not None else None
-        return result if result is not None else self.inner.match_prefix(key)
+        return result if result is not None else self.inner.match_prefix(key, **kwargs)
 
     def match_request(self, req: Req, key) -> MatchResult:
         result = self.try_match_prefix(key, req) if req.session_id is not None else None
         return result if result is not None else self.inner.match_request(req, key)
 
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def sparse_top_k(self) -> int:
-        return self.inner.sparse_top_k()
-
-    def on_decode_step(self, reqs: Sequence[Req], selections: torch.Tensor) -> Any:
-        return self.inner.on_decode_step(reqs, selections)
-
-    def insert(self, key, value=None, **kwargs):
-        return self.inner.insert(key, value, **kwargs)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        """A turn of a session: the session adopts the record; any other request: the backend's finish."""
         if req.session_id is None:
             self._finish_inner(req, is_insert)
             return
@@ -339,8 +324,6 @@ class StreamingSession(BasePrefixCache):
                 return
         _dispatch_unfinished(req, self.inner, chunked)
 
-    def evict(self, num_tokens: int, *args, **kwargs) -> EvictResult:
-        return self.inner.evict(num_tokens, *args, **kwargs)
 
     def inc_lock_ref(self, node: Any) -> LockResult:
         if isinstance(node, SessionNode):
@@ -352,40 +335,40 @@ class StreamingSession(BasePrefixCache):
             return LockResult()
         return self.inner.dec_lock_ref(node, lock)
 
+    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        if isinstance(node, SessionNode):
+            return LockResult()
+        return self.inner.dec_swa_lock_only(node, lock)
+
+    def check_node_locked(self, node: Any, what: str) -> None:
+        # A turn on a session's record locks nothing in the tree (the session holds the first turn's lock).
+        if not isinstance(node, SessionNode):
+            self.inner.check_node_locked(node, what)
+
+    def check_req(self, req: Req, what: str) -> None:
+        if not isinstance(req.last_node, SessionNode):
+            self.inner.check_req(req, what)
+
+    def check_req_lock(self, req: Req, what: str) -> None:
+        if not isinstance(req.last_node, SessionNode):
+            self.inner.check_req_lock(req, what)
+
+    def release_req_lock(self, req: Req) -> None:
+        if isinstance(req.last_node, SessionNode):
+            req.last_node = None
+            req.lock = None
+            return
+        self.inner.release_req_lock(req)
+
+    def abort_req(self, req: Req) -> None:
+        """Release ``req``'s KV without caching any of it and without making it a session turn.
+
+        For a request that does not run on a session's record (a first turn, or a
+        request without a session): the backend's ``release_kv_cache(is_insert=False)``.
+        """
+        release_kv_cache(req, self.inner, is_insert=False)
+
     def reset(self) -> None:
         for session_id in list(self.slots):
             self.release_session(session_id)
         self.inner.reset()
-
-    def evictable_size(self) -> int:
-        return self.inner.evictable_size()
-
-    def protected_size(self) -> int:
-        return self.inner.protected_size()
-
-    def total_size(self) -> int:
-        return self.inner.total_size()
-
-    def take_events(self) -> list:
-        return self.inner.take_events()
-
-    def is_chunk_cache(self) -> bool:
-        return self.inner.is_chunk_cache()
-
-    def make_room(self, num_tokens: int) -> EvictResult:
-        return self.inner.make_room(num_tokens)
-
-    def pools(self) -> list[PoolView]:
-        return self.inner.pools()
-
-    def cached_sizes(self) -> dict[str, tuple[int, int]]:
-        return self.inner.cached_sizes()
-
-    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-        return self.inner.free_window_slots(reqs, pre_lens)
-
-    def iter_owned_slots(self) -> Iterator[SlotOwner]:
-        return self.inner.iter_owned_slots()
-
-    def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:
-        self.inner.free_kv_row(kv, ranges)

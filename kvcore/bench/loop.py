@@ -475,7 +475,7 @@ class _Loop:
                 due.append(job)
         # One allocator free for the whole batch, as a scheduler would do it.
         with self.bt:
-            self.engine.free_window([job.req for job in due])
+            self.engine.cache.free_window_slots([job.req for job in due])
         # What a decoding request holds at most: what it keeps now plus the tokens
         # it decodes before its next window free.
         held = 0

@@ -122,18 +122,18 @@ class SWAEngine:
             if not eng.extend(req, end, chunked=end < total):
                 raise MemoryError(f"cannot allocate slots up to {end} for {req.rid!r}")
             if self.cache.is_chunk_cache():
-                eng.free_window([req])
+                eng.cache.free_window_slots([req])
 
     def decode(self, req: Req, token: int) -> None:
         eng = self.engine
         if not eng.decode([req], [token], free_window=False):
             raise MemoryError(f"cannot allocate a decode slot for {req.rid!r}")
-        eng.free_window([req])
+        eng.cache.free_window_slots([req])
         n = self._decoded[id(req)] = self._decoded.get(id(req), 0) + 1
         after = self.release_window_lock_after
         if after is not None and n == after:
             lock = req.lock
-            if req.last_node is not None and lock is not None and not (lock.extras or {}).get("swa_released"):
+            if req.last_node is not None and lock is not None and not lock.swa_released:
                 self.cache.dec_swa_lock_only(req.last_node, lock)
 
     def finish(self, req: Req, is_insert: bool = True) -> None:
@@ -181,7 +181,7 @@ class SWACacheStateMachine(CacheStateMachine):
     def release_window_lock(self, i):
         holders = [(n, lk) for n, lk in self.locks] + [(r.last_node, r.lock) for r in self.live]
         node, lock = holders[i % len(holders)]
-        if node is None or lock is None or (lock.extras or {}).get("swa_released"):
+        if node is None or lock is None or lock.swa_released:
             return
         if self.cache.is_chunk_cache():
             return

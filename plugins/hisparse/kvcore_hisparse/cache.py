@@ -119,6 +119,7 @@ class HiSparseCache(ChunkCache):
             self.coordinator.admit_request_into_staging(req)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        self.check_req(req, "cache_finished_req")
         # SGLang: request_finished (or retract_req) before release_kv_cache.
         self.coordinator.retract_req(req)
         super().cache_finished_req(req, is_insert)

@@ -16,13 +16,7 @@ from kvcore.pools.mamba_pool import (
     mamba_state_of,
 )
 from kvcore_mamba.config import MambaConfig
-from kvcore_mamba.mamba_cache import (
-    MambaEvictResult,
-    MambaInsertResult,
-    MambaMatchResult,
-    MambaRadixCache,
-    MambaTreeNode,
-)
+from kvcore_mamba.mamba_cache import MambaRadixCache, MambaTreeNode
 
 __version__ = version("kvcore-mamba")
 
@@ -30,9 +24,6 @@ __all__ = [
     "COMPONENT",
     "HybridReqToTokenPool",
     "MambaConfig",
-    "MambaEvictResult",
-    "MambaInsertResult",
-    "MambaMatchResult",
     "MambaPool",
     "MambaRadixCache",
     "MambaReqState",

@@ -60,34 +60,10 @@ from kvcore.tree import (
 )
 from kvcore_mamba.config import MambaConfig
 
-__all__ = ["MambaRadixCache", "MambaTreeNode", "MambaMatchResult", "MambaInsertResult", "MambaEvictResult"]
+__all__ = ["MambaRadixCache", "MambaTreeNode"]
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _EMPTY = torch.empty((0,), dtype=torch.int64)
-
-
-class MambaMatchResult(MatchResult):
-    """``MatchResult`` plus ``mamba_branching_seqlen`` (kept in ``extras``)."""
-
-    __slots__ = ()
-
-    @property
-    def mamba_branching_seqlen(self) -> int | None:
-        return self.extras.get("mamba_branching_seqlen") if self.extras else None
-
-
-@dataclass(slots=True)
-class MambaInsertResult(InsertResult):
-    """``InsertResult`` plus ``mamba_exist``: the tree already held a state at the key's end."""
-
-    mamba_exist: bool = False
-
-
-@dataclass(slots=True)
-class MambaEvictResult(EvictResult):
-    """``EvictResult`` plus ``mamba_num_evicted``: states the mamba walk freed."""
-
-    mamba_num_evicted: int = 0
 
 
 class MambaTreeNode(Node):
@@ -143,14 +119,12 @@ class MambaRadixCache(BasePrefixCache):
         r2t = params.req_to_token_pool
         if not isinstance(r2t, HybridReqToTokenPool):
             raise TypeError(f"the mamba backend needs a HybridReqToTokenPool, got {type(r2t).__name__}")
+        super().__init__(params)
         self.config = config
         self.req_to_token_pool = r2t
         self._r2t = r2t
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         # The full pool's claim/disown (strict mode) are TokenToKVPoolAllocator's, beyond the TokenAllocator protocol.
         self._full: Any = params.token_to_kv_pool_allocator
-        self.kv_pool = params.kv_pool
-        self.page_size = int(params.page_size)
         if self.page_size > 1 and not r2t.extra_buffer:
             raise ValueError(f"page_size={self.page_size}: the mamba backend needs the extra-buffer request table "
                              "(HybridReqToTokenPool(extra_buffer=True)) for pages larger than one token")
@@ -158,19 +132,18 @@ class MambaRadixCache(BasePrefixCache):
         self.extra_buffer = bool(r2t.extra_buffer)
         self.mamba_pool = r2t.mamba_pool
         self.mamba_allocator = r2t.mamba_allocator
-        self.mamba_cache_chunk_size = int(getattr(config, "mamba_cache_chunk_size", 64))
+        self.mamba_cache_chunk_size = int(config.mamba_cache_chunk_size)
         if self.page_size > 1 and self.mamba_cache_chunk_size % self.page_size:
             raise ValueError(f"mamba_cache_chunk_size={self.mamba_cache_chunk_size} is not a multiple of "
                              f"page_size={self.page_size}")
         self.disable = bool(config.disable)
-        self.strict = bool(config.strict)
         self.enable_kv_events = bool(config.enable_kv_events)
         self.device = torch.device(self.token_to_kv_pool_allocator.device)
         self._events: list = []
         # Admission copies, extra-buffer tracking, donations and backups (shared with unified's mamba component).
         self.states = MambaRequestStates(
             r2t, page_size=self.page_size, chunk_size=self.mamba_cache_chunk_size,
-            track_interval=int(getattr(config, "mamba_track_interval", 256)), evict_states=self._evict_states)
+            track_interval=int(config.mamba_track_interval), evict_states=self._evict_states)
         self._init_tree()
 
     # ------------------------------------------------------------------ state
@@ -186,7 +159,7 @@ class MambaRadixCache(BasePrefixCache):
         self.full_protected_size_ = 0
         self.mamba_evictable_size_ = 0
         self.mamba_protected_size_ = 0
-        self._empty_match = MambaMatchResult(
+        self._empty_match = MatchResult(
             torch.empty((0,), dtype=torch.int64, device=self.device), root, root, None,
             {"mamba_branching_seqlen": None},
         )
@@ -355,7 +328,7 @@ class MambaRadixCache(BasePrefixCache):
             best, best_count = node, len(nodes)
         return nodes, best, best_count
 
-    def match_prefix(self, key: KeyLike, cow_mamba: bool = False, req: Any = None) -> MambaMatchResult:
+    def match_prefix(self, key: KeyLike, cow_mamba: bool = False, req: Any = None) -> MatchResult:
         """The cached prefix of ``key`` up to the deepest node with a state (see the module docstring).
 
         ``cow_mamba=True`` with ``req``: a request that holds no state slot gets one
@@ -413,9 +386,9 @@ class MambaRadixCache(BasePrefixCache):
             value = kept[0].value
         else:
             value = torch.cat([x.value for x in kept])
-        return MambaMatchResult(value, best, best, None, {"mamba_branching_seqlen": branching})
+        return MatchResult(value, best, best, None, {"mamba_branching_seqlen": branching})
 
-    def match_request(self, req: Any, key: KeyLike) -> MambaMatchResult:
+    def match_request(self, req: Any, key: KeyLike) -> MatchResult:
         """The engine's admission match: SGLang's ``cow_mamba`` match, with the slot taken with the row.
 
         ``kvcore.Engine`` locks the matched node and then takes the request's row with
@@ -478,7 +451,7 @@ class MambaRadixCache(BasePrefixCache):
         return value.to(torch.int64)
 
     def insert(self, key: KeyLike, value: torch.Tensor | None = None, *, mamba_value: torch.Tensor | None = None,
-               prev_prefix_len: int = 0, chunked: bool = False, priority: int = 0) -> MambaInsertResult:
+               prev_prefix_len: int = 0, chunked: bool = False, priority: int = 0) -> InsertResult:
         """Insert ``key`` -> ``value`` (full slots) with the state ``mamba_value`` at its end.
 
         The caller's slots of the already-cached part beyond ``prev_prefix_len`` are freed here
@@ -510,7 +483,7 @@ class MambaRadixCache(BasePrefixCache):
             if value is not None:
                 value = value[:n]
         if self.disable or n == 0:
-            return MambaInsertResult(0, self.root_node, duplicates_freed=True, mamba_exist=True)
+            return InsertResult(0, self.root_node, duplicates_freed=True, mamba_exist=True)
         if self.strict:
             # Refused (nothing changed, not even a state slot taken and given back) unless the new
             # slots may become the tree's and the duplicates it frees are the caller's.
@@ -543,7 +516,7 @@ class MambaRadixCache(BasePrefixCache):
         return result
 
     def _insert_helper(self, rk: RadixKey, value: torch.Tensor, mamba_value: torch.Tensor | None,
-                       prev: int) -> MambaInsertResult:
+                       prev: int) -> InsertResult:
         """SGLang's ``_insert_helper`` (LRU order included); inputs are already checked."""
         ids = rk.token_ids
         n = len(ids)
@@ -607,7 +580,7 @@ class MambaRadixCache(BasePrefixCache):
         else:
             mamba_exist = True
             lru.touch(node)
-        return MambaInsertResult(pos, node, duplicates_freed=True, mamba_exist=mamba_exist)
+        return InsertResult(pos, node, duplicates_freed=True, mamba_exist=mamba_exist)
 
     # ------------------------------------------------------------------ locks
 
@@ -635,6 +608,8 @@ class MambaRadixCache(BasePrefixCache):
         if self.disable:
             return LockResult(delta=0)
         path = self._path(node, "dec_lock_ref")
+        if lock is not None:
+            lock.check_not_released("dec_lock_ref", node)
         check_locked(path, node, "dec_lock_ref")
         if node.mamba_value is not None and node is not self.root_node and node.mamba_lock_ref <= 0:
             raise ValueError(f"dec_lock_ref: the state of {node!r} is not locked; was this lock already released?")
@@ -646,11 +621,16 @@ class MambaRadixCache(BasePrefixCache):
         delta = unlock_path(path)
         self.full_evictable_size_ += delta
         self.full_protected_size_ -= delta
+        if lock is not None:
+            lock.released = True
         return LockResult(delta=-delta)
+
+    def check_node_locked(self, node: Any, what: str) -> None:
+        check_locked(self._path(node, what), node, what)
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_tokens: int, mamba_num: int = 0) -> MambaEvictResult:
+    def evict(self, num_tokens: int, mamba_num: int = 0) -> EvictResult:
         """Free at least ``num_tokens`` full slots (unlocked leaves) and ``mamba_num`` states (any unlocked node).
 
         Each count is what that walk freed, as in SGLang: full slots freed while evicting
@@ -659,13 +639,13 @@ class MambaRadixCache(BasePrefixCache):
         num_tokens = check_evict_count(num_tokens)
         mamba_num = check_evict_count(mamba_num, "mamba_num")
         if self.disable:
-            return MambaEvictResult()
+            return EvictResult()
         full: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
         full_n = self._evict_full(num_tokens, full, states) if num_tokens > 0 else 0
         mamba_n = self._evict_mamba(mamba_num, full, states) if mamba_num > 0 else 0
         self._release(full, states)
-        return MambaEvictResult(num_tokens_evicted=full_n, mamba_num_evicted=mamba_n)
+        return EvictResult(num_tokens_evicted=full_n, mamba_num_evicted=mamba_n)
 
     def _evict_leaf(self, x: MambaTreeNode, for_mamba: bool, full: list, states: list
                     ) -> tuple[int, MambaTreeNode, MambaTreeNode | None]:
@@ -784,10 +764,7 @@ class MambaRadixCache(BasePrefixCache):
             if result.mamba_exist:
                 keep = None
         r2t.free_mamba_cache(kv, keep=keep)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.last_node = None
-        req.lock = None
+        self.release_req_lock(req)
 
     def _cache_unfinished_extra(self, req: Any, chunked: bool) -> None:
         """SGLang's extra-buffer ``cache_unfinished_req``: donate the tracked ping-pong slot to the tree."""
@@ -826,6 +803,7 @@ class MambaRadixCache(BasePrefixCache):
         it had a state there; the committed KV past that length is freed, and every other state
         slot of the request goes back.
         """
+        self.check_req(req, "cache_finished_req")
         if self.extra_buffer:
             return self._cache_finished_extra(req, is_insert)
         kv = req.kv
@@ -853,10 +831,7 @@ class MambaRadixCache(BasePrefixCache):
                 comp.mamba_pool_idx = None
                 comp.mamba_cow_src_index = None
                 comp.cow_node = None
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.last_node = None
-        req.lock = None
+        self.release_req_lock(req)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         """Snapshot the request's state into the tree at ``kv_committed_len`` (SGLang copies it into a new slot).
@@ -865,6 +840,7 @@ class MambaRadixCache(BasePrefixCache):
         ``mamba_last_track_seqlen`` and the request gets a fresh slot in its place; nothing is
         cached when no snapshot was tracked since the last call.
         """
+        self.check_req(req, "cache_unfinished_req")
         if self.extra_buffer:
             return self._cache_unfinished_extra(req, chunked)
         kv = req.kv
@@ -907,10 +883,12 @@ class MambaRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ debugging
 
-    def pretty_print(self) -> None:
+    def format_tree(self) -> str:
+        lines = []
         stack = [(self.root_node, 0)]
         while stack:
             node, indent = stack.pop()
-            print(" " * indent, repr(node))
+            lines.append(" " * indent + " " + repr(node))
             stack.extend((c, indent + 2) for c in node.children.values())
-        print(f"#full tokens: {self.total_size()}, #states: {self.mamba_evictable_size_ + self.mamba_protected_size_}")
+        lines.append(f"#full tokens: {self.total_size()}, #states: {self.mamba_evictable_size_ + self.mamba_protected_size_}")
+        return "\n".join(lines)

@@ -13,7 +13,7 @@ import heapq
 import sys
 import time
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -89,19 +89,15 @@ class RadixCache(KVEventLog, BasePrefixCache):
     clock = staticmethod(time.monotonic)
 
     def __init__(self, params: CacheInitParams):
+        super().__init__(params)
         config = cast(RadixConfig, params.config)
         self.config = config
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.kv_pool = params.kv_pool
-        self.page_size = int(params.page_size)
         alloc_ps = self.token_to_kv_pool_allocator.page_size
         if alloc_ps != self.page_size:
             raise ValueError(f"page_size={self.page_size} differs from the allocator's page_size={alloc_ps}")
         self.disable = bool(config.disable)
-        # strict: insert claims its slots in the allocator (refusing free, padding, out-of-range,
-        # duplicated or already-owned ones) and evict/reset disown them.
-        self.strict = bool(config.strict)
+        # strict (set by the base): insert claims its slots in the allocator (refusing free, padding,
+        # out-of-range, duplicated or already-owned ones) and evict/reset disown them.
         self._claims = cast(SlotClaims, self.token_to_kv_pool_allocator)
         self.enable_kv_events = bool(config.enable_kv_events)
         self.eviction_policy = str(config.eviction_policy).lower()
@@ -159,15 +155,16 @@ class RadixCache(KVEventLog, BasePrefixCache):
         for node in iter_subtree(self.root_node):
             yield SlotOwner("full", f"radix node {node.id}", node.value)
 
-    def pretty_print(self, file=None) -> None:
-        out = file or sys.stdout
+    def format_tree(self) -> str:
+        lines = []
         stack = [(self.root_node, 0)]
         while stack:
             node, indent = stack.pop()
-            print(" " * indent, f"[{node.id}]", len(node.key), node.key[:10], f"r={node.lock_ref}", file=out)
+            lines.append(" " * indent + f" [{node.id}] {len(node.key)} {node.key[:10]} r={node.lock_ref}")
             for child in node.children.values():
                 stack.append((child, indent + 2))
-        print(f"#tokens: {self.total_size()}", file=out)
+        lines.append(f"#tokens: {self.total_size()}")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ lookups
 
@@ -370,9 +367,8 @@ class RadixCache(KVEventLog, BasePrefixCache):
         path = self._path(node, "dec_lock_ref")
         check_locked(path, node, "dec_lock_ref")
         if lock is not None:
-            if lock.extras.get("released"):
-                raise ValueError(f"dec_lock_ref: this lock on {node!r} was already given back")
-            lock.extras["released"] = True
+            lock.check_not_released("dec_lock_ref", node)
+            lock.released = True
         newly: list = []
         delta = unlock_path(path, newly)
         leaves = self._evictable_leaves
@@ -437,21 +433,11 @@ class RadixCache(KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ requests
 
-    def _check_req_lock(self, req, what: str) -> None:
-        """Refuse a request whose lock is not (or no longer) held in this tree, before anything changes."""
-        node = req.last_node
-        if node is None or self.disable:
-            return
-        lock = req.lock
-        if isinstance(lock, LockResult) and lock.extras.get("released"):
-            raise ValueError(
-                f"{what}: request {req.rid!r}'s lock on {node!r} was already given back (a dec_lock_ref by hand?); "
-                "nothing was changed"
-            )
+    def check_node_locked(self, node: Any, what: str) -> None:
         check_locked(self._path(node, what), node, what)
 
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
-        self._check_req_lock(req, "cache_finished_req")
+        self.check_req(req, "cache_finished_req")
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
@@ -470,15 +456,12 @@ class RadixCache(KVEventLog, BasePrefixCache):
                                  priority=req.priority)
             # Duplicates of what the tree already held, then the unaligned tail.
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.last_node = None
-        req.lock = None
+        self.release_req_lock(req)
 
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
         if self.disable:
             return
-        self._check_req_lock(req, "cache_unfinished_req")
+        self.check_req(req, "cache_unfinished_req")
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len

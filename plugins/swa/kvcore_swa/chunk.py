@@ -29,6 +29,8 @@ class SWAChunkCache(SlidingWindowMixin, ChunkCache):
     the request's ``swa_evicted_seqlen``.
     """
 
+    supports_window_lock_release = True  # nothing is locked: the early release is a no-op
+
     token_to_kv_pool_allocator: SWATokenToKVPoolAllocator
 
     def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):

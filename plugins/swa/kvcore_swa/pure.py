@@ -201,22 +201,22 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
                 kv_pool=params.kv_pool,
             )
         )
-        self.config = params.config
-        self.req_to_token_pool = params.req_to_token_pool
+        super().__init__(params)
         self.token_to_kv_pool_allocator = alloc
-        self.page_size = int(params.page_size)
-        self.kv_pool = params.kv_pool
         self.device = torch.device(alloc.device)
 
     # ------------------------------------------------------------------ the tree, delegated
 
     @property
     def root_node(self) -> Any:
-        return getattr(self.tree, "root_node", None)
+        return self.tree.root_node
 
     @property
-    def disable(self) -> bool:
-        return bool(getattr(self.tree, "disable", False))
+    def disable(self) -> bool:  # type: ignore[override]
+        return self.tree.disable
+
+    def check_node_locked(self, node: Any, what: str) -> None:
+        self.tree.check_node_locked(node, what)
 
     def match_prefix(self, key) -> MatchResult:
         return self.tree.match_prefix(key)
@@ -251,8 +251,8 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def sanity_check(self) -> None:
         self.tree.sanity_check()
 
-    def pretty_print(self, file=None) -> None:
-        self.tree.pretty_print(file)  # type: ignore[attr-defined]
+    def format_tree(self) -> str:
+        return self.tree.format_tree()
 
     # ------------------------------------------------------------------ SWA names
 
@@ -293,6 +293,7 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
         return end
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+        self.check_req(req, "cache_finished_req")
         kv = req.kv
         committed = kv.kv_committed_len
         end = self.insert_end(req)
@@ -308,6 +309,7 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
             self.free_kv_row(kv, [(lo, committed)])
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
+        self.check_req(req, "cache_unfinished_req")
         kv = req.kv
         if kv.swa_evicted_seqlen > kv.swa_dead_lo(self.page_size):
             raise ValueError(

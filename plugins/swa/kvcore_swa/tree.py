@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -54,7 +54,7 @@ from kvcore.tree import (
     tree_lines,
     unlock_path,
 )
-from kvcore_swa.config import require_swa_allocator
+from kvcore_swa.config import SWAConfig, require_swa_allocator
 from kvcore_swa.window import SlidingWindowMixin, window_size
 
 if TYPE_CHECKING:
@@ -144,24 +144,21 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
     """
 
     token_to_kv_pool_allocator: SWATokenToKVPoolAllocator
+    supports_window_lock_release = True
 
     def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):
         alloc = require_swa_allocator(params.token_to_kv_pool_allocator, "SWARadixCache")
-        config = params.config
-        sliding_window_size = window_size(config, sliding_window_size)
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = alloc
-        self.page_size = params.page_size
+        super().__init__(params)
+        config = cast(SWAConfig, params.config)
         self.config = config
-        self.kv_pool = params.kv_pool
+        self.token_to_kv_pool_allocator = alloc
         self.device = alloc.device
-        self.sliding_window_size = sliding_window_size
-        self.disable = bool(getattr(config, "disable", False))
-        # strict: the tree claims the full slots it keeps (refusing free, padding, out-of-range,
-        # duplicated or already-owned ones before anything changes) and disowns them when freed.
-        self.strict = bool(config.strict)
-        self.enable_kv_events = bool(getattr(config, "enable_kv_events", False))
-        self.eviction_policy = getattr(config, "eviction_policy", "lru")
+        self.sliding_window_size = window_size(config, sliding_window_size)
+        self.disable = bool(config.disable)
+        # strict (set by the base): the tree claims the full slots it keeps (refusing free, padding,
+        # out-of-range, duplicated or already-owned ones before anything changes) and disowns them when freed.
+        self.enable_kv_events = bool(config.enable_kv_events)
+        self.eviction_policy = config.eviction_policy
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._uuids = itertools.count(1)
         self._clock = itertools.count(1)
@@ -556,8 +553,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             # No record: assume the lock a fresh inc_lock_ref would take here.
             k = self._window_stop(path)
             return path[:k]
-        extras = lock.extras or {}
-        if extras.get("swa_released") or extras.get("swa_tokens", 1) == 0:
+        if lock.swa_released or lock.extras.get("swa_tokens", 1) == 0:
             return []
         stop = lock.stop
         if stop is None:
@@ -572,8 +568,8 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         if node is None or node is self.root_node or self.disable:
             return LockResult(0, None, {"swa_delta": 0})
         path = self._path(node, "dec_lock_ref")
-        if lock is not None and (lock.extras or {}).get("released"):
-            raise ValueError(f"dec_lock_ref: this lock on {node} was already given back")
+        if lock is not None:
+            lock.check_not_released("dec_lock_ref", node)
         check_locked(path, node, "dec_lock_ref")
         swa_nodes = self._swa_locked_nodes(path, lock, "dec_lock_ref")
         for x in swa_nodes:
@@ -584,9 +580,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         self.full_protected_size_ += full_delta
         swa_delta = self._dec_swa(swa_nodes, tombstone_leaves=False)
         if lock is not None:
-            if lock.extras is None:
-                lock.extras = {}
-            lock.extras["released"] = True
+            lock.released = True
         # A leaf whose window went early (dec_swa_lock_only, or window eviction under a
         # full lock) stays as an unlocked tombstone leaf, as in SGLang: its full slots
         # are evictable and the next full eviction takes it (and the tombstones above).
@@ -621,19 +615,17 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         if node is None or node is self.root_node or self.disable:
             return LockResult(0, None, {"swa_delta": 0})
         path = self._path(node, "dec_swa_lock_only")
-        if lock is not None and (lock.extras or {}).get("released"):
-            raise ValueError(f"dec_swa_lock_only: this lock on {node} was already given back")
-        if lock is not None and (lock.extras or {}).get("swa_released"):
-            raise ValueError(f"dec_swa_lock_only: the window lock on {node} was already released")
+        if lock is not None:
+            lock.check_not_released("dec_swa_lock_only", node)
+            if lock.swa_released:
+                raise ValueError(f"dec_swa_lock_only: the window lock on {node} was already released")
         swa_nodes = self._swa_locked_nodes(path, lock, "dec_swa_lock_only")
         for x in swa_nodes:
             if x.tombstone or x.swa_lock_ref <= 0 or x.lock_ref <= 0:
                 raise ValueError(f"dec_swa_lock_only: {x} holds no window lock to give back")
         delta = self._dec_swa(swa_nodes, tombstone_leaves=True)
         if lock is not None:
-            if lock.extras is None:
-                lock.extras = {}
-            lock.extras["swa_released"] = True
+            lock.released_early.add("swa")
         return LockResult(0, None, {"swa_delta": delta})
 
     # ------------------------------------------------------------------ evict
@@ -761,15 +753,9 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         if hi > lo:
             self._release_window(self._row(kv)[lo:hi].to(torch.int64))
 
-    def _check_req_lock(self, req: Req, what: str) -> None:
-        """Refuse a request whose lock is not held in this tree, before anything changes."""
-        node = req.last_node
-        if not isinstance(node, SWATreeNode) or node is self.root_node:
-            return
-        lock = req.lock if isinstance(req.lock, LockResult) else None
-        if lock is not None and (lock.extras or {}).get("released"):
-            return  # given back already: the release skips it
-        check_locked(self._path(node, what), node, what)
+    def check_node_locked(self, node: Any, what: str) -> None:
+        if node is not self.root_node:
+            check_locked(self._path(node, what), node, what)
 
     def _req_values(self, req: Req, aligned: int) -> torch.Tensor:
         """``req``'s row up to ``aligned`` as int64 slots; under ``strict`` its ``[cache_protected_len, aligned)``
@@ -780,14 +766,6 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             self._check_slots(values, kv.cache_protected_len, aligned, f"request {req.rid!r}")
         return values
 
-    def _release_req_lock(self, req: Req) -> None:
-        node = req.last_node
-        if isinstance(node, SWATreeNode) and node is not self.root_node:
-            lock = req.lock if isinstance(req.lock, LockResult) else None
-            if lock is not None and (lock.extras or {}).get("released"):
-                return
-            self.dec_lock_ref(node, lock)
-
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Insert what ``req`` committed (the window-evicted part as tombstone) and drop its lock."""
         kv = req.kv
@@ -795,11 +773,9 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         protected = kv.cache_protected_len
         if self.disable:
             self.free_kv_row(kv, [(protected, committed)])
-            self._release_req_lock(req)
-            req.last_node = None
-            req.lock = None
+            self.release_req_lock(req)
             return
-        self._check_req_lock(req, "cache_finished_req")
+        self.check_req(req, "cache_finished_req")
         aligned = floor_align(committed, self.page_size)
         # Even with nothing new (aligned == protected) the insert walk touches the
         # path in both LRU orders, as SGLang's does.
@@ -816,9 +792,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         # The unaligned tail (a partial page) never enters the tree.
         if committed > max(aligned, protected):
             self.free_kv_row(kv, [(max(aligned, protected), committed)])
-        self._release_req_lock(req)
-        req.last_node = None
-        req.lock = None
+        self.release_req_lock(req)
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Insert ``fill_ids[:kv_committed_len]`` of a running request and move its lock there.
@@ -836,7 +810,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         if self.disable:
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
-        self._check_req_lock(req, "cache_unfinished_req")
+        self.check_req(req, "cache_unfinished_req")
         protected = kv.cache_protected_len
         aligned = floor_align(committed, self.page_size)
         values = self._req_values(req, aligned) if aligned > protected else None
@@ -862,7 +836,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         row[protected:new_len] = tree_values[protected:].to(row.dtype)
         kv.cache_protected_len = new_len
         new_lock = self.inc_lock_ref(last)
-        self._release_req_lock(req)
+        self.release_req_lock(req)
         req.lock = new_lock
         req.last_node = last
         if new_len < committed:
@@ -918,7 +892,5 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         assert swa_in == self.swa_lru.count == sum(1 for _ in self.swa_lru), (swa_in, self.swa_lru.count)
         assert root not in self.full_lru and root not in self.swa_lru
 
-    def pretty_print(self) -> str:
-        text = "\n".join(tree_lines(self.root_node))
-        print(text)
-        return text
+    def format_tree(self) -> str:
+        return "\n".join(tree_lines(self.root_node))

@@ -57,8 +57,7 @@ if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
     from kvcore.record import Req
 
-__all__ = ["UnifiedRadixCache", "UnifiedNode", "InsertArgs", "UnifiedMatchResult", "UnifiedInsertResult",
-           "UnifiedEvictResult"]
+__all__ = ["UnifiedRadixCache", "UnifiedNode", "InsertArgs"]
 
 
 class UnifiedNode(Node):
@@ -76,31 +75,6 @@ class UnifiedNode(Node):
     def __repr__(self) -> str:
         ids = self.key if len(self.key) <= 6 else f"{self.key[:6]}...+{len(self.key) - 6}"
         return f"<UnifiedNode {self.id} len={len(self.key)} lock_ref={self.lock_ref} key={ids}>"
-
-
-class UnifiedMatchResult(MatchResult):
-    """``MatchResult`` plus ``mamba_branching_seqlen`` (kept in ``extras``; None without a mamba component)."""
-
-    __slots__ = ()
-
-    @property
-    def mamba_branching_seqlen(self) -> int | None:
-        return self.extras.get("mamba_branching_seqlen") if self.extras else None
-
-
-@dataclass(slots=True)
-class UnifiedInsertResult(InsertResult):
-    """``InsertResult`` plus ``mamba_exist``: the tree already held a state at the key's end."""
-
-    mamba_exist: bool = False
-
-
-@dataclass(slots=True)
-class UnifiedEvictResult(EvictResult):
-    """``EvictResult`` plus ``mamba_num_evicted`` (and every other component's count in ``by_component``)."""
-
-    mamba_num_evicted: int = 0
-    by_component: dict | None = None
 
 
 @dataclass(slots=True)
@@ -128,15 +102,11 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
     token_to_kv_pool_allocator: Any
 
     def __init__(self, params: CacheInitParams):
+        super().__init__(params)
         config = cast(UnifiedConfig, params.config)
         self.config = config
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.kv_pool = params.kv_pool
-        self.page_size = int(params.page_size)
         self.device = torch.device(self.token_to_kv_pool_allocator.device)
         self.disable = bool(config.disable)
-        self.strict = bool(config.strict)
         self.enable_kv_events = bool(config.enable_kv_events)
         names = tuple(config.components)
         comps: list[TreeComponent] = []
@@ -150,6 +120,8 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         self.by_name = {c.name: c for c in comps}
         self.full: Any = comps[0]  # the full component (FullComponent: added(), ...)
         self.aux: tuple[TreeComponent, ...] = tuple(comps[1:])
+        # dec_swa_lock_only answers when a component holds a window lock (swa).
+        self.supports_window_lock_release = any(c.window_lock for c in self.aux)
         self._node_fields: dict[str, Any] = {}
         for c in self.aux:
             self._node_fields.update(c.node_fields)
@@ -192,7 +164,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         self.leaves: set[UnifiedNode] = set()
         for c in self.components:
             c.reset_state()
-        self._empty_match = UnifiedMatchResult(self._empty, root, root, 0, {"matched_len": 0})
+        self._empty_match = MatchResult(self._empty, root, root, 0, {"matched_len": 0})
 
     def reset(self) -> None:
         """Free every node's slots and start from an empty tree (call it only when no request runs)."""
@@ -336,7 +308,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             c.after_match(best)
         self._stamp_path(best)
         indices = join_values(values[:best_items], self._empty)
-        result = UnifiedMatchResult(indices, best, best, best_len, {"matched_len": pos})
+        result = MatchResult(indices, best, best, best_len, {"matched_len": pos})
         return self._finish_match(result, cow_mamba, req)
 
     def _match_full(self, rk: RadixKey, ids: list[int], n: int) -> MatchResult:
@@ -354,11 +326,11 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         if not path:
             t = self.tick()
             self.root_node.last_access_time = t
-            return UnifiedMatchResult(self._empty, self.root_node, self.root_node, 0, {"matched_len": 0})
+            return MatchResult(self._empty, self.root_node, self.root_node, 0, {"matched_len": 0})
         best = path[-1]
         self._stamp_path(best)
         indices = best.value if len(path) == 1 else torch.cat([x.value for x in path])
-        return UnifiedMatchResult(indices, best, best, pos, {"matched_len": pos})
+        return MatchResult(indices, best, best, pos, {"matched_len": pos})
 
     def _stamp_path(self, node: UnifiedNode) -> None:
         """SGLang's match touch: one new time on ``node``, a hair older on each ancestor up to the root."""
@@ -444,7 +416,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         for c in self.aux:
             c.before_insert(value, ins)
         prefix_len, last = self._insert(ids, rk.extra_key, n, value, ins, rk)
-        return UnifiedInsertResult(prefix_len, last, True, ins.mamba_exist)
+        return InsertResult(prefix_len, last, True, ins.mamba_exist)
 
     def _insert(self, ids: list[int], extra_key: Any, n: int, value: torch.Tensor,
                 ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
@@ -657,24 +629,24 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         if node is None or self.disable or node is self.root_node:
             return LockResult(0)
         path = self._path(node, "dec_lock_ref")
-        if lock is not None and lock.extras.get("released"):
-            raise ValueError(f"dec_lock_ref: this lock on {node!r} was already given back")
+        if lock is not None:
+            lock.check_not_released("dec_lock_ref", node)
         check_locked(path, node, "dec_lock_ref")
         if not self.aux:
             delta = self.full.unlock_path(path)
             if lock is not None:
-                lock.extras["released"] = True
+                lock.released = True
             return LockResult(-delta)
         before = [c.protected_size() for c in self.components]
-        released = lock.extras if lock is not None else {}
+        early = lock.released_early if lock is not None else ()
         for c in self.components:
             # dec_swa_lock_only gave back the window lock and the lower-priority ones already.
-            if released.get(f"{c.name}_released"):
+            if c.name in early:
                 continue
             c.unlock(node, lock)
         self.update_leaf(node)
         if lock is not None:
-            lock.extras["released"] = True
+            lock.released = True
         deltas = [c.protected_size() - b for c, b in zip(self.components, before)]
         return LockResult(deltas[0], None, {f"{c.name}_delta": d for c, d in zip(self.aux, deltas[1:])})
 
@@ -684,19 +656,22 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             return LockResult(0)
         swa = next((c for c in self.aux if c.window_lock), None)
         if swa is None:
-            raise NotImplementedError("dec_swa_lock_only: this unified cache has no swa component")
+            raise NotImplementedError("dec_swa_lock_only: this unified cache has no swa component "
+                                      "(supports_window_lock_release is False)")
         self._path(node, "dec_swa_lock_only")
-        if lock is not None and (lock.extras.get("released") or lock.extras.get("swa_released")):
-            raise ValueError(f"dec_swa_lock_only: the window lock on {node!r} was already given back")
+        if lock is not None:
+            lock.check_not_released("dec_swa_lock_only", node)
+            if swa.name in lock.released_early:
+                raise ValueError(f"dec_swa_lock_only: the window lock on {node!r} was already given back")
         before = swa.protected_size()
         swa.release_window(node, lock)  # type: ignore[attr-defined]
         for c in self.aux:
             if c.internal_priority < swa.internal_priority:
                 c.unlock(node, lock)
                 if lock is not None:
-                    lock.extras[f"{c.name}_released"] = True
+                    lock.released_early.add(c.name)
         if lock is not None:
-            lock.extras[f"{swa.name}_released"] = True
+            lock.released_early.add(swa.name)
         return LockResult(0, None, {"swa_delta": swa.protected_size() - before})
 
     # ------------------------------------------------------------------ evict
@@ -725,7 +700,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 batch, self.free_batch = self.free_batch, None
                 if batch:
                     self.token_to_kv_pool_allocator.free(batch[0] if len(batch) == 1 else torch.cat(batch))
-        return UnifiedEvictResult(tracker["full"], tracker.get("swa", 0), tracker.get("mamba", 0), tracker)
+        return EvictResult(tracker["full"], tracker.get("swa", 0), tracker.get("mamba", 0), tracker)
 
     def make_room(self, num_tokens: int) -> EvictResult:
         """Evict each token pool's shortfall for ``num_tokens`` new tokens."""
@@ -786,24 +761,12 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
     def _row(self, kv: Any) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[kv.req_pool_idx]
 
-    def _check_req_lock(self, req: Req, what: str) -> None:
-        node = req.last_node
-        if not isinstance(node, UnifiedNode) or node is self.root_node or self.disable:
-            return
-        lock = req.lock if isinstance(req.lock, LockResult) else None
-        if lock is not None and lock.extras.get("released"):
-            raise ValueError(
-                f"{what}: request {req.rid!r}'s lock on {node!r} was already given back; nothing was changed")
-        check_locked(self._path(node, what), node, what)
-
-    def _release_req_lock(self, req: Req) -> None:
-        node = req.last_node
-        if isinstance(node, UnifiedNode) and node is not self.root_node:
-            lock = req.lock if isinstance(req.lock, LockResult) else None
-            self.dec_lock_ref(node, lock)
+    def check_node_locked(self, node: Any, what: str) -> None:
+        if node is not self.root_node:
+            check_locked(self._path(node, what), node, what)
 
     def _prepare(self, req: Req, n: int, finished: bool) -> tuple[InsertArgs, int]:
-        ins = InsertArgs(req.kv.cache_protected_len, 0, None, False, int(getattr(req, "priority", 0) or 0))
+        ins = InsertArgs(req.kv.cache_protected_len, 0, None, False, int(req.priority))
         eff = n
         for c in self.aux:
             cut = c.prepare_insert(req, ins, finished)
@@ -818,13 +781,11 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         protected = kv.cache_protected_len
         if self.disable:
             self.free_kv_row(kv, [(protected, committed)])
-            self._release_req_lock(req)
+            self.release_req_lock(req)
             for c in self.aux:
                 c.after_cache_req(req, True, None, None)
-            req.last_node = None
-            req.lock = None
             return
-        self._check_req_lock(req, "cache_finished_req")
+        self.check_req(req, "cache_finished_req")
         ids = request_ids(req, committed)
         ins = None
         result = None
@@ -844,11 +805,9 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 self.free_kv_row(kv, [(start, committed)])
         else:
             self.free_kv_row(kv, [(protected, committed)])
-        self._release_req_lock(req)
+        self.release_req_lock(req)
         for c in self.aux:
             c.after_cache_req(req, True, ins, result)
-        req.last_node = None
-        req.lock = None
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Insert ``fill_ids[:kv_committed_len]`` of a running request, re-match it and move its lock."""
@@ -858,7 +817,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         if self.disable:
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
-        self._check_req_lock(req, "cache_unfinished_req")
+        self.check_req(req, "cache_unfinished_req")
         ids = request_ids(req, committed)
         ins, eff = self._prepare(req, committed, False)
         ins.chunked = chunked
@@ -891,7 +850,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             raise AssertionError(f"request {req.rid!r}: re-match found {new_len} < protected {protected}")
         if new_len > protected:
             row[protected:new_len] = new[protected:].to(row.dtype)
-        self._release_req_lock(req)
+        self.release_req_lock(req)
         lock = self.inc_lock_ref(new_node)
         if new_len < committed:
             req.prefix_indices = torch.cat([new, row[new_len:committed].to(torch.int64)])
@@ -927,12 +886,10 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         for c in self.components:
             c.check_totals(root)
 
-    def pretty_print(self) -> str:
+    def format_tree(self) -> str:
         def describe(x: UnifiedNode) -> str:
             flags = " ".join(f"{c.name}={'T' if not c.has_value(x) else c.lock_ref(x)}" for c in self.aux)
             return f"{x!r} {flags}"
 
-        text = "\n".join(tree_lines(self.root_node, describe))
-        print(text)
-        return text
+        return "\n".join(tree_lines(self.root_node, describe))
 
