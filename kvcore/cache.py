@@ -138,6 +138,9 @@ class BasePrefixCache(ABC):
     # Capabilities a backend declares (never probed by calling): ``dec_swa_lock_only`` gives back a
     # window lock early (SGLang's SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW).
     supports_window_lock_release: bool = False
+    # ``windowed``: the cache frees window slots as requests decode (``free_window_slots``), so a record's
+    # window cursor is its to check.
+    windowed: bool = False
     # The tree's root node (SGLang's ``root_node``, for a scheduler's DFS over ``children``); None without a tree.
     root_node: Any = None
     # Set by create_cache: the registered name, this cache's own plugin manager and its hook relay.
@@ -244,7 +247,7 @@ class BasePrefixCache(ABC):
             state = "holds no req_to_token row (released already, or never admitted)" if not kv.is_held else (
                 f"holds row {kv.req_pool_idx}, which this cache's pool did not hand to it (another cache's?)")
             raise ValueError(f"{what}: request {req.rid!r} {state}; nothing was changed")
-        kv.check_fields(f"{what}: request {req.rid!r}", self.page_size, pool.max_context_len)
+        kv.check_fields(f"{what}: request {req.rid!r}", self.page_size, pool.max_context_len, windowed=self.windowed)
         self.check_req_lock(req, what)
 
     def check_req_lock(self, req: Req, what: str) -> None:

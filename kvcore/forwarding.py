@@ -69,6 +69,10 @@ class ForwardingCache(BasePrefixCache):
         return self.inner.session_page_aligned
 
     @property
+    def windowed(self) -> bool:  # type: ignore[override]
+        return self.inner.windowed
+
+    @property
     def root_node(self) -> Any:
         return self.inner.root_node
 

@@ -86,14 +86,16 @@ class ReqKvInfo:
             lo = ceil_align(lo, page_size)
         return lo
 
-    def check_fields(self, owner: str, page_size: int = 1, row_width: int | None = None) -> None:
+    def check_fields(self, owner: str, page_size: int = 1, row_width: int | None = None, *,
+                     windowed: bool = True) -> None:
         """Refuse a record whose lengths a release path or a window free cannot trust; nothing changes.
 
         The one place that validates a record before kvcore frees through it: every
         length an int (not a bool or a float) and not negative, ``protected <=
         committed <= allocated <= row_width``, and the window cursor not past what
-        the request committed (or, under prefill-aware SWA, its page-rounded floor).
-        TypeError or ValueError naming ``owner`` and the field.
+        the request committed (or, under prefill-aware SWA, its page-rounded floor) where
+        a window free runs (``windowed``).  TypeError or ValueError naming ``owner`` and
+        the field.
         """
         lengths = (
             ("cache_protected_len", self.cache_protected_len),
@@ -117,8 +119,7 @@ class ReqKvInfo:
                 f"{owner}: kv_allocated_len={self.kv_allocated_len} exceeds the row width {row_width} "
                 "(nothing was changed)"
             )
-        cursor_limit = max(self.kv_committed_len, self.swa_dead_lo(page_size))
-        if self.swa_evicted_seqlen > cursor_limit:
+        if windowed and self.swa_evicted_seqlen > max(self.kv_committed_len, self.swa_dead_lo(page_size)):
             raise ValueError(
                 f"{owner}: the window cursor swa_evicted_seqlen={self.swa_evicted_seqlen} is past what the request "
                 f"committed ({self.kv_committed_len}); window slots in between would leak (nothing was changed)"

@@ -34,6 +34,7 @@ class SlidingWindowMixin:
     sliding_window_size: int
     page_size: int
     req_to_token_pool: ReqToTokenPool
+    windowed = True
 
     if TYPE_CHECKING:
 

@@ -1,6 +1,5 @@
 """Unit tests of the swa plugin: registration, options, errors, locks, events, reset."""
 
-import time
 
 import pytest
 import torch
@@ -292,7 +291,8 @@ def test_window_lock_stops_at_a_tombstone():
     check(cache)
 
 
-def test_match_and_insert_are_fast_on_long_keys():
+def test_match_and_insert_on_long_branched_keys():
+    # Correctness only: the speed of long-key matches is measured in benchmarks/bench_swa.py, never asserted here.
     cache = make(size=1 << 16, swa_size=1 << 15, max_context_len=1 << 15, sliding_window_size=128)
     a = cache.token_to_kv_pool_allocator
     key = list(range(20000))
@@ -300,12 +300,10 @@ def test_match_and_insert_are_fast_on_long_keys():
     for i in range(1, 50):  # 49 branches off one long prefix
         k = key[: 400 * i] + [10**6 + i] * 4
         cache.insert(k, torch.cat([cache.match_prefix(k).device_indices, a.alloc(4)]), prev_prefix_len=400 * i)
-    t = time.perf_counter()
-    for _ in range(200):
-        m = cache.match_prefix(key)
-    elapsed = time.perf_counter() - t
+    m = cache.match_prefix(key)
     assert m.prefix_len == 20000
-    assert elapsed < 0.5, f"200 matches of a 20k-token key took {elapsed:.3f}s"
+    for i in range(1, 50):
+        assert cache.match_prefix(key[: 400 * i] + [10**6 + i] * 4).prefix_len == 400 * i + 4
     check(cache)
 
 
@@ -386,7 +384,7 @@ def test_free_window_slots_frees_what_left_the_window():
     alloc = cache.token_to_kv_pool_allocator
     swa_free, cursor = alloc.swa_available_size(), req.kv.swa_evicted_seqlen
     # A tree keeps max(window, page) tokens: the cursor moves to 20 - 4.
-    released = kvcore.free_window_slots(cache, [req])
+    released = cache.free_window_slots([req])
     assert released == 16 - cursor and req.kv.swa_evicted_seqlen == 16
     assert alloc.swa_available_size() == swa_free + released
     assert cache.free_window_slots([req], [20]) == 0  # nothing more left the window

@@ -122,6 +122,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         self.aux: tuple[TreeComponent, ...] = tuple(comps[1:])
         # dec_swa_lock_only answers when a component holds a window lock (swa).
         self.supports_window_lock_release = any(c.window_lock for c in self.aux)
+        self.windowed = self.supports_window_lock_release
         self._node_fields: dict[str, Any] = {}
         for c in self.aux:
             self._node_fields.update(c.node_fields)
