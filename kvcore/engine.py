@@ -150,7 +150,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.keys import RadixKey
+from kvcore.keys import RadixKey, check_token_ids
 from kvcore.record import Req, ReqKvInfo, RetractionBackup, ceil_align
 from kvcore.release import cache_unfinished_req, release_kv_cache
 from kvcore.session import StreamingSession
@@ -434,6 +434,12 @@ class Engine:
             raise ValueError(
                 f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first"
             )
+        if not req.origin_input_ids:
+            raise ValueError(f"request {req.rid!r} has an empty prompt: there is nothing to compute (nothing was taken)")
+        # Every token id checked once, at admission, before a row, a slot or a state is taken.
+        check_token_ids(req.origin_input_ids)
+        if req.output_ids:
+            check_token_ids(req.output_ids)
         # A request that has generated nothing yet matches on its prompt: no fill_ids copy.
         fill = req.fill_ids if req.output_ids else req.origin_input_ids
         n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
@@ -538,6 +544,11 @@ class Engine:
         elif len(tokens) != len(reqs):
             raise ValueError(f"{len(tokens)} tokens for {len(reqs)} requests")
         kvs = [req.kv for req in reqs]
+        if len({id(kv) for kv in kvs}) != len(kvs):
+            seen: set[int] = set()
+            twice = next(r.rid for r in reqs if id(r.kv) in seen or seen.add(id(r.kv)))  # type: ignore[func-returns-value]
+            raise ValueError(f"decode batch names request {twice!r} twice (one slot per request and step); "
+                             "nothing was changed")
         lens = [kv.kv_allocated_len for kv in kvs]
         rows = [kv.req_pool_idx for kv in kvs]
         if None in rows or min(lens) == 0 or max(lens) >= self._r2t.max_context_len:
@@ -610,6 +621,8 @@ class Engine:
         if mode not in ("recompute", "offload"):
             raise ValueError(f"retract mode {mode!r}: expected 'recompute' or 'offload'")
         kv = req.kv
+        if not kv.is_held:
+            raise ValueError(f"request {req.rid!r} is not running (it holds no KV): there is nothing to retract")
         backup = None
         if mode == "offload" and kv.is_held and 0 < req.seqlen - 1 <= kv.kv_allocated_len:
             backup = req.offload_kv_cache(self._r2t, self._alloc, cache=self._cache)

@@ -222,7 +222,10 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
 
 
 def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> bool:
-    """Raise unless ``ids[start:]`` are non-negative ints below 2**64: the one token-id check.
+    """Raise unless ``ids[start:]`` are non-negative ints below 2**63: the one token-id check.
+
+    2**63: a token id must fit SGLang's token container, ``array("q")`` (signed 64-bit),
+    and the int64 tensors the trees compare and store.
 
     Returns True when those ids are known to hold no 0 or 1 (so an equal list
     can hold no bool either), False when that is unknown or untrue.
@@ -239,7 +242,7 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
 
     * ``TypeError("token ids must be ints, got float (1.5)")``
     * ``ValueError("token ids must be non-negative, got -1")``
-    * ``ValueError("token id 18446744073709551616 does not fit in 64 bits")``
+    * ``ValueError("token id 9223372036854775808 does not fit in a signed 64-bit int")``
     """
     if start >= len(ids):
         return True
@@ -249,6 +252,8 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
     except (TypeError, OverflowError, ValueError) as exc:
         error = exc
     else:
+        if converted and max(converted) >> 63:
+            raise ValueError(f"token id {max(rest)} does not fit in a signed 64-bit int (array('q'), int64)")
         if not refuse_bools:
             return False
         if not _maybe_zero_one(rest, converted):
@@ -261,9 +266,9 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
             raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})") from None
         if t < 0:
             raise ValueError(f"token ids must be non-negative, got {t}") from None
-        if t >= 1 << 64:
-            raise ValueError(f"token id {t} does not fit in 64 bits") from None
-    raise TypeError(f"token ids must be non-negative ints below 2**64 ({error})") from None
+        if t >= 1 << 63:
+            raise ValueError(f"token id {t} does not fit in a signed 64-bit int (array('q'), int64)") from None
+    raise TypeError(f"token ids must be non-negative ints below 2**63 ({error})") from None
 
 
 def _maybe_zero_one(rest: list, converted: array) -> bool:

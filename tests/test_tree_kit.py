@@ -111,7 +111,8 @@ def test_child_key_pages_and_namespace():
         ([1, "a"], TypeError, r"token ids must be ints, got str \('a'\)"),
         ([1, None], TypeError, "token ids must be ints, got NoneType"),
         ([3, -1], ValueError, "token ids must be non-negative, got -1"),
-        ([1 << 64], ValueError, f"token id {1 << 64} does not fit in 64 bits"),
+        ([1 << 64], ValueError, f"token id {1 << 64} does not fit in a signed 64-bit int"),
+        ([1 << 63], ValueError, f"token id {1 << 63} does not fit in a signed 64-bit int"),
     ],
 )
 def test_check_token_ids_errors(ids, exc, msg):
@@ -125,7 +126,7 @@ def test_check_token_ids_errors(ids, exc, msg):
 
 def test_check_token_ids_start_and_valid_keys():
     check_token_ids([])
-    check_token_ids([0, 1, (1 << 64) - 1])
+    check_token_ids([0, 1, (1 << 63) - 1])
     check_token_ids([-1, 2, 3], 1)  # only ids[1:] are checked
     check_token_ids([-1], 5)
     with pytest.raises(ValueError):

@@ -6,7 +6,7 @@ pieces and keeps only its own policy code.  Everything here is plain functions
 and ``__slots__`` classes: no per-call dispatch on the hot path.
 
 Keys
-    :func:`check_token_ids` (``ids[start:]`` are non-negative ints below 2**64,
+    :func:`check_token_ids` (``ids[start:]`` are non-negative ints below 2**63,
     one C pass; TypeError/ValueError naming the first bad id otherwise) and
     :func:`checked_key` (any key-like value -> a checked :class:`kvcore.RadixKey`).
     A key may come as a list, an ``array`` (SGLang's ``array("q")``), a 1-D
@@ -63,7 +63,8 @@ Nodes
 
 Values
     :func:`join_values` (parts of a match as one slot tensor, no copy for one
-    part), :func:`path_values` (the slots of the path down to a node) and
+    part), :func:`path_values` (the slots of the path down to a node), :func:`proven_prefix_len`
+(the one rule for ``prev_prefix_len``: it never narrows a strict check) and
     :func:`checked_value` (an insert's ``value`` as int64 slots: TypeError /
     ValueError before anything changes); :func:`alloc_value` (fresh slots for
     ``insert(key, value=None)``, RuntimeError when the pools are full).
@@ -118,7 +119,7 @@ from kvcore.tree.node import (
     unlock_path,
 )
 from kvcore.tree.policies import BUILTIN_POLICIES, EvictionStrategy, resolve_policy
-from kvcore.tree.values import alloc_value, checked_value, join_values, path_values
+from kvcore.tree.values import alloc_value, checked_value, join_values, path_values, proven_prefix_len
 
 __all__ = [
     "AllPagesCleared",
@@ -146,6 +147,7 @@ __all__ = [
     "page_hash",
     "path_to_root",
     "path_values",
+    "proven_prefix_len",
     "prefix_match_len",
     "record_removed",
     "record_stored",

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["join_values", "path_values", "checked_value", "alloc_value"]
+__all__ = ["join_values", "path_values", "checked_value", "alloc_value", "proven_prefix_len"]
 
 
 def join_values(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
@@ -60,3 +60,33 @@ def alloc_value(allocator: Any, n: int) -> torch.Tensor:
     if value is None:
         raise RuntimeError(f"cannot allocate {n} slots for insert(value=None): the pools are full")
     return value
+
+
+def proven_prefix_len(root: Any, ids: list[int], n: int, page_size: int, extra_key: Any,
+                      value: torch.Tensor, prev_prefix_len: int) -> int:
+    """How much of ``value[:prev_prefix_len]`` is proven to be the tree's own slots for ``ids``.
+
+    The one rule for ``prev_prefix_len``: it says the caller's first positions are
+    the tree's (a request's protected prefix), so an insert need not check them as
+    the caller's slots -- but it must never narrow a strict check.  The read-only
+    walk (:func:`kvcore.tree.descend`, no LRU touch) finds the tree's slots for
+    ``ids[:prev_prefix_len]``; the answer is how far ``value`` agrees with them.
+    Everything above it is checked as the caller's.
+    """
+    from kvcore.tree.match import descend
+
+    prev = min(prev_prefix_len, n)
+    if prev <= 0:
+        return 0
+    path, pos, child, m = descend(root, ids, prev, page_size, extra_key)
+    parts = [x.value for x in path]
+    if child is not None and m:
+        parts.append(child.value[:m])
+    if not parts:
+        return 0
+    held = parts[0] if len(parts) == 1 else torch.cat(parts)
+    k = min(prev, int(held.numel()))
+    same = held[:k] == value[:k].to(held.device)
+    if bool(same.all()):
+        return k
+    return int(torch.argmin(same.to(torch.int8)))

@@ -43,6 +43,7 @@ from kvcore.keys import KeyLike, RadixKey
 from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaReqState, MambaRequestStates, mamba_state_of
 from kvcore.pools.views import PoolView
 from kvcore.tree import (
+    proven_prefix_len,
     AllPagesCleared,
     LRUList,
     Node,
@@ -488,7 +489,9 @@ class MambaRadixCache(BasePrefixCache):
             # Refused (nothing changed, not even a state slot taken and given back) unless the new
             # slots may become the tree's and the duplicates it frees are the caller's.
             if value is not None:
-                self._full.check_claimable(value[min(prev, n):], what="insert")
+                # prev_prefix_len never narrows the check: only the tree's own slots skip it.
+                lo = proven_prefix_len(self.root_node, rk.token_ids, n, self.page_size, rk.extra_key, value, prev)
+                self._full.check_claimable(value[lo:], what="insert")
             if mamba_value is not None:
                 self.mamba_allocator.check_claimable(mamba_value, what="insert mamba_value")
         needs_state, cached = self._needs_state(rk)

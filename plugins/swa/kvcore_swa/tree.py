@@ -32,6 +32,7 @@ from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult,
 from kvcore.keys import RadixKey, checked_key
 from kvcore.record import floor_align
 from kvcore.tree import (
+    proven_prefix_len,
     KVEventLog,
     LRUList,
     Node,
@@ -341,7 +342,9 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         if value.shape[0] != n:
             value = value[:n]
         if self.strict:
-            self._check_slots(value, prev_prefix_len, n)
+            # prev_prefix_len never narrows the check: only the tree's own slots skip it.
+            lo = proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len) if prev_prefix_len else 0
+            self._check_slots(value, lo, n)
         if swa_evicted_seqlen > prev_prefix_len:
             # The caller says these window slots are gone; make sure they are.
             self._release_window(value[prev_prefix_len : min(swa_evicted_seqlen, n)])
@@ -565,11 +568,13 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
-        if node is None or node is self.root_node or self.disable:
-            return LockResult(0, None, {"swa_delta": 0})
-        path = self._path(node, "dec_lock_ref")
         if lock is not None:
             lock.check_not_released("dec_lock_ref", node)
+        if node is None or node is self.root_node or self.disable:
+            if lock is not None:
+                lock.released = True
+            return LockResult(0, None, {"swa_delta": 0})
+        path = self._path(node, "dec_lock_ref")
         check_locked(path, node, "dec_lock_ref")
         swa_nodes = self._swa_locked_nodes(path, lock, "dec_lock_ref")
         for x in swa_nodes:

@@ -30,6 +30,7 @@ from kvcore.keys import RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
+    proven_prefix_len,
     KVEventLog,
     Node,
     alloc_value,
@@ -411,9 +412,12 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority)
         for c in self.aux:
             c.check_insert(n, ins)
-        if self.strict and self.aux and n > prev_prefix_len:
+        if self.strict and self.aux:
             # (A full-only tree checks only the new leaf's slots, once the walk has found them.)
-            self.token_to_kv_pool_allocator.check_claimable(value[prev_prefix_len:n])
+            # prev_prefix_len never narrows the check: only the tree's own slots skip it.
+            lo = proven_prefix_len(self.root_node, ids, n, ps, rk.extra_key, value, prev_prefix_len) \
+                if prev_prefix_len else 0
+            self.token_to_kv_pool_allocator.check_claimable(value[lo:n])
         for c in self.aux:
             c.before_insert(value, ins)
         prefix_len, last = self._insert(ids, rk.extra_key, n, value, ins, rk)
@@ -627,11 +631,13 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
-        if node is None or self.disable or node is self.root_node:
-            return LockResult(0)
-        path = self._path(node, "dec_lock_ref")
         if lock is not None:
             lock.check_not_released("dec_lock_ref", node)
+        if node is None or self.disable or node is self.root_node:
+            if lock is not None:
+                lock.released = True
+            return LockResult(0)
+        path = self._path(node, "dec_lock_ref")
         check_locked(path, node, "dec_lock_ref")
         if not self.aux:
             delta = self.full.unlock_path(path)
