@@ -41,7 +41,6 @@ class ForwardingCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = inner.token_to_kv_pool_allocator
         self.page_size = inner.page_size
         self.kv_pool = inner.kv_pool
-        self.config = inner.config
         # Lifecycle calls reach the backend's own hook (its extension wrappers run once, there).
         self.hook = None
         self.plugin_manager = None

@@ -146,7 +146,9 @@ class StreamingSession(ForwardingCache):
         freed so the new turn recomputes those positions.  A turn that differs
         inside the part the tree holds (the first turn's matched prefix) is
         refused with ValueError, nothing changed: end the session and admit the
-        request afresh.  On pools that reuse only whole pages
+        request afresh.  A backend with a per-request recurrent state (``request_state_slots``:
+        mamba) cannot rewind it, so a turn that does not extend the whole previous
+        record ends the session and the tree matches it afresh.  On pools that reuse only whole pages
         (``inner.session_page_aligned``, SGLang's NPU rule) the reused prefix is
         rounded down to a page; when that falls below the protected prefix or to
         0, the session is released and None returned (the tree matches the turn).
@@ -162,6 +164,12 @@ class StreamingSession(ForwardingCache):
         else:
             prefix_len = common_prefix_len(slot.token_ids, key.token_ids, limit)
         page = self.page_size
+        if prefix_len < kv.kv_committed_len and self.inner.request_state_slots(kv):
+            # A recurrent state (mamba) summarises every position the record committed and cannot be
+            # rewound to the common prefix: reusing the record would compute the turn from a stale
+            # state.  End the session; the tree matches the turn afresh (its states are per node).
+            self.release_session(slot.session_id)
+            return None
         if self.inner.session_page_aligned and page > 1:
             # Pools that reuse only whole pages (SGLang's NPU rule): below the protected prefix or at 0
             # pages, release the session and let the tree match the turn afresh (a full prefill).

@@ -192,3 +192,75 @@ def test_a_lock_given_back_twice_is_refused_the_same_way(backend: str) -> None:
     engine.abort(other)
     engine.finish(req)
     InvariantChecker(cache).check(owners=[])
+
+
+# -- a slot or state owned twice -----------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["radix", "unified", "unified-swa", "unified-mamba", "mamba", "swa"])
+def test_reinserting_a_cached_key_with_the_nodes_own_slots(backend: str) -> None:
+    cache = build(backend)
+    alloc = cache.token_to_kv_pool_allocator
+    key = list(range(1, 1 + 4 * cache.page_size))
+    cache.insert(key, alloc.alloc(len(key)))
+    own = cache.match_prefix(key).device_indices.clone()
+    before = state(cache)
+    try:
+        cache.insert(key, own)
+    except ValueError as exc:
+        assert "owned" in str(exc)
+    # Accepted or refused, the node keeps its slots and none of them went back to the free list.
+    assert state(cache) == before
+    InvariantChecker(cache).check(owners=[])
+
+
+def test_unified_mamba_refuses_a_state_another_node_owns() -> None:
+    cache = build("unified-mamba")
+    alloc = cache.token_to_kv_pool_allocator
+    cache.insert([1, 2, 3, 4], alloc.alloc(4))
+    match = cache.match_prefix([1, 2, 3, 4])
+    node_state = match.last_device_node.mamba_value
+    extra = alloc.alloc(2)
+    before = state(cache)
+    with pytest.raises(ValueError, match="already owned"):
+        cache.insert([1, 2, 3, 4, 5, 6], torch.cat([match.device_indices, extra]),
+                     mamba_value=node_state.reshape(1), prev_prefix_len=4)
+    assert state(cache) == before
+    alloc.free(extra)
+    InvariantChecker(cache).check(owners=[])
+
+
+def test_unified_mamba_cow_match_for_a_request_holding_a_state() -> None:
+    cache = build("unified-mamba")
+    engine, req = running(cache)
+    held = req.kv.components["mamba"].mamba_pool_idx
+    with pytest.raises(ValueError, match="already holds state slot"):
+        cache.match_prefix(req.origin_input_ids, cow_mamba=True, req=req)
+    assert req.kv.components["mamba"].mamba_pool_idx is held
+    assert req.kv.components["mamba"].mamba_cow_src_index is None
+    engine.finish(req)
+    InvariantChecker(cache).check(owners=[])
+
+
+# -- stale state reused ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["mamba", "unified-mamba"])
+def test_a_diverging_session_turn_does_not_reuse_a_recurrent_state(backend: str) -> None:
+    cache = build(backend)
+    session = kvcore.StreamingSession(cache)
+    engine = Engine(session)
+    first = make_req("t1", list(range(10, 20)))
+    first.session_id = "s"
+    assert engine.admit(first) and engine.extend(first)
+    engine.decode([first], [7])
+    engine.finish(first)
+    # The next turn rewrites the previous one from position 5 on.
+    second = make_req("t2", list(range(10, 15)) + [99, 98, 97, 96])
+    second.session_id = "s"
+    assert engine.admit(second)
+    # The session's record (and its state, which covers all 11 positions) was not reused.
+    assert "s" not in session.slots
+    assert second.kv.cache_protected_len <= 5
+    assert engine.extend(second)
+    engine.finish(second)
+    engine.end_session("s")
+    InvariantChecker(session).check(owners=[])

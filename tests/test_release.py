@@ -64,7 +64,7 @@ def test_release_rejects_committed_past_allocated_and_changes_nothing():
     req = Req("bad", [1, 2, 3])
     admit(cache, req, 3)
     req.kv.kv_committed_len = 5
-    with pytest.raises(ValueError, match="kv_committed_len=5 > kv_allocated_len=3"):
+    with pytest.raises(ValueError, match="cache_protected_len <= kv_committed_len <= kv_allocated_len, got 0, 5, 3"):
         release_kv_cache(req, cache)
     assert req.kv.is_held and cache.token_to_kv_pool_allocator.available_size() == 13
     req.kv.kv_committed_len = 3
@@ -157,6 +157,7 @@ def test_free_swa_rejects_unaligned_protected_prefix():
     cache = swa_chunk_cache(page_size=4)
     req = Req("x", list(range(8)))
     admit(cache, req, 8)
+    req.kv.kv_committed_len = 8
     req.kv.cache_protected_len = 3
     with pytest.raises(ValueError, match="not aligned"):
         free_swa_out_of_window_slots(req, 8, sliding_window_size=2, page_size=4,

@@ -108,7 +108,8 @@ class HiSparseCache(ChunkCache):
             assert state.staging == (state.act is not None), f"{state.rid!r}: staging flag and queue disagree"
             assert state.device_buffer_size_now <= coord.padded_buffer_size
         for act in coord.ack_staging_queue:
-            queued = coord.state_of(act.req.kv)
+            # By the copy, not the request: a session may have adopted the request's record since.
+            queued = coord.staging_state_of(act)
             assert queued is not None and queued.staging, f"staging queue holds {act.req.rid!r}, which is not staging"
 
     # ------------------------------------------------------------------ lifecycle

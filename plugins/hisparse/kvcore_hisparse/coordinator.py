@@ -272,10 +272,15 @@ class HiSparseCoordinator:
                 elif not act.finish_event.query():
                     break
             req = act.req
+            state = self.state_of(req.kv)
+            if state is None or state.act is not act:
+                # The request's record moved on while it was staging (a streaming session adopted a
+                # turn that finished before its copy was collected): drop that staging copy.
+                self.ack_staging_queue.pop(0)
+                self._drop_stale_staging(act)
+                continue
             self.alloc_device_buffer(req)
             self.ack_staging_queue.pop(0)
-            state = self.state_of(req.kv)
-            assert state is not None
             state.skip_first_backup = True
             state.staging = False
             state.act = None
@@ -611,6 +616,19 @@ class HiSparseCoordinator:
         self.ack_staging_queue = [a for a in self.ack_staging_queue if a.req is not req and a is not state.act]
         if self.write_staging_stream is not None:
             self.write_staging_stream.synchronize()
+        self.token_to_kv_pool_allocator.free_hisparse(self._row_slots(kv, state.prefill_len))
+        self._free_host(state)
+        self._detach(kv)
+
+    def staging_state_of(self, act: HiSparseAct) -> HiSparseReqState | None:
+        """The state a queued staging copy was made for (its request's record may have moved since)."""
+        return next((st for st in self._states.values() if st.act is act), None)
+
+    def _drop_stale_staging(self, act: HiSparseAct) -> None:
+        state = self.staging_state_of(act)
+        if state is None:
+            return
+        kv = state.kv
         self.token_to_kv_pool_allocator.free_hisparse(self._row_slots(kv, state.prefill_len))
         self._free_host(state)
         self._detach(kv)

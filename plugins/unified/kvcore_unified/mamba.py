@@ -110,8 +110,17 @@ class MambaComponent(LRUValueComponent):
 
     def free_value(self, node: Any) -> int:
         v = node.mamba_value
+        if self.cache.strict:
+            self.mamba_pool.allocator.disown(v)
         self.mamba_pool.free(v)
         return self.forget_value(node)
+
+    def set_value(self, node: Any, value: torch.Tensor) -> None:
+        # Under strict the tree claims every state slot it keeps, so a second node (or a
+        # caller's free) offering it again is refused, as for the full pool's slots.
+        if self.cache.strict:
+            self.mamba_pool.allocator.claim(value, checked=False)
+        super().set_value(node, value)
 
     def on_split(self, upper: Any, child: Any) -> None:
         upper.mamba_value = None
@@ -140,6 +149,11 @@ class MambaComponent(LRUValueComponent):
             if req is None:
                 raise ValueError("match_prefix(cow_mamba=True) needs the request (req=...)")
             comp = mamba_state_of(req.kv, create=True)
+            if comp is not None and comp.holds_mamba:
+                # Its running state would be overwritten by the copy (as the mamba backend refuses).
+                raise ValueError(
+                    f"match_prefix(cow_mamba=True): request {req.rid!r} already holds state slot "
+                    f"{int(comp.mamba_pool_idx)}; free it first (nothing was changed)")
         best = result.last_device_node
         if comp is not None:
             comp.mamba_branching_seqlen = branching
