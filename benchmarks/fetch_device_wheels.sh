@@ -23,6 +23,8 @@ spec="pydantic>=2.6"
 if pv="$("$pip_py" -c 'import importlib.metadata as m; print(m.version("pydantic"))' 2>/dev/null)"; then
   spec="pydantic==$pv"
 fi
+# pip's notes about absent local package mirrors are noise here; real errors still show.
+pip_quiet() { "$@" 2>&1 | sed '/^WARNING: Location .* is ignored/d' >&2; return "${PIPESTATUS[0]}"; }
 mkdir -p "$out"
 failed=()
 for v in "${versions[@]}"; do
@@ -31,19 +33,23 @@ for v in "${versions[@]}"; do
     exit 2
   fi
   echo "fetch_device_wheels: $spec for CPython $v (manylinux x86_64)" >&2
-  if ! "$pip_py" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+  if ! pip_quiet "$pip_py" -m pip download -q --disable-pip-version-check --only-binary=:all: \
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
       --implementation cp --python-version "$v" -d "$out" "$spec"; then
     failed+=("$v")
   fi
 done
 
-# kvcore and its plugins as wheels, with the stamp of the sources they were built from.
+# kvcore and its plugins as wheels, with the stamp of the sources they were built from; built from a
+# copy of the tree so that setuptools' build/ and egg-info folders stay out of it.
 rm -rf "$out/kvcore"
 mkdir -p "$out/kvcore"
-dists=(.)
-for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && dists+=("$p"); done
-"$pip_py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$out/kvcore" "${dists[@]}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+cp -r pyproject.toml README.md kvcore plugins "$tmp/"
+dists=("$tmp")
+for p in "$tmp"/plugins/*/; do [ -f "$p/pyproject.toml" ] && dists+=("$p"); done
+pip_quiet "$pip_py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$out/kvcore" "${dists[@]}"
 bash benchmarks/device_check.sh --print-stamp > "$out/kvcore/SOURCE-STAMP"
 
 ls -1 "$out" "$out/kvcore" >&2

@@ -13,7 +13,6 @@ seed, operation number and what failed.  Exit status 1 when any backend failed.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -27,7 +26,13 @@ from kvcore.factory import create_cache
 
 
 def run_on(device: torch.device, backend: str, ops: int, seed: int) -> dict:
-    patched = functools.partial(create_cache, device=str(device))
+    built: list[str] = []
+
+    def patched(name: str, **options: object) -> object:
+        cache = create_cache(name, device=str(device), **options)
+        built.append(str(cache.req_to_token_pool.req_to_token.device))
+        return cache
+
     original = fuzz.create_cache
     fuzz.create_cache = patched
     t0 = time.perf_counter()
@@ -35,12 +40,12 @@ def run_on(device: torch.device, backend: str, ops: int, seed: int) -> dict:
         result = fuzz.run_fuzz(backend, ops, seed)
     except fuzz.FuzzFailure as exc:
         return {"backend": backend, "ok": False, "seed": exc.seed, "op": exc.op, "what": exc.what,
-                "seconds": time.perf_counter() - t0}
+                "caches_on": sorted(set(built)), "seconds": time.perf_counter() - t0}
     finally:
         fuzz.create_cache = original
     return {"backend": backend, "ok": True, "seed": seed, "ops": result.ops, "checks": result.checks,
             "bad_inputs": sum(v for k, v in result.counts.items() if k.startswith("bad: ")),
-            "seconds": result.seconds}
+            "caches_on": sorted(set(built)), "seconds": result.seconds}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,12 +52,14 @@ def _timed(fn: Callable[[], None], dev: torch.device, iters: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--top-k", type=int, default=None, help="tokens per selection (default: 2048 on a GPU, 512 on the CPU)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="tokens per selection (default: 2048 on a GPU, 512 on the CPU)")
     ap.add_argument("--heads", type=int, default=None, help="K/V heads (default: 8 on a GPU, 2 on the CPU)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--iters", type=int, default=8, help="calls per timed sample (an even number alternates the two selections)")
+    ap.add_argument("--iters", type=int, default=8,
+                    help="calls per timed sample (an even number alternates the two selections)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             swap_calls += args.iters if name == "swap_in" else 0
     all_misses = coord.buffer_misses - misses_before == swap_calls * top_k
     swap_bytes = coord.bytes_h2d - bytes_before
-    for sel in sels:  # byte for byte, after the timing
+    for _ in sels:  # byte for byte, after the timing: each selection once more
         turn[0] ^= 1
         check(sels[turn[0]], coord.swap_in_selected_pages(rows, lens, sels[turn[0]], layer))
     med = {s: statistics.median(v) for s, v in samples.items()}
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios["load/h2d_pinned"] = statistics.median(a / b for a, b in zip(samples["load"], samples["h2d_pinned"]))
     result = {
         "benchmark": "bench_swap_in",
-        "command": "python plugins/hisparse/benchmarks/bench_swap_in.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python plugins/hisparse/benchmarks/bench_swap_in.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (host to host)",
         "torch": torch.__version__,
