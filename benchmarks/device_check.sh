@@ -15,7 +15,7 @@
 # (through torch); it never changes its settings.
 #
 # Environment: KVCORE_DEVICE (default cuda), KVCORE_DEVICE_PYTHON (the interpreter that has torch;
-# default python3), KVCORE_DEVICE_VENV (default /tmp/kvcore-device-venv: a venv over that
+# default: the first of python3 and python that imports it), KVCORE_DEVICE_VENV (default /tmp/kvcore-device-venv: a venv over that
 # interpreter's packages, where kvcore and pydantic are installed), KVCORE_CHECK_BUDGET.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +31,14 @@ if [ "${1:-}" = "--print-stamp" ]; then source_stamp; exit 0; fi
 if [ $# -gt 0 ]; then echo "device_check: unknown argument '$1' (only --print-stamp)" >&2; exit 2; fi
 
 dev="${KVCORE_DEVICE:-cuda}"
-base_py="${KVCORE_DEVICE_PYTHON:-python3}"
+# The interpreter that has torch: KVCORE_DEVICE_PYTHON, else the first of python3 and python that imports it.
+base_py="${KVCORE_DEVICE_PYTHON:-}"
+if [ -z "$base_py" ]; then
+  for cand in python3 python; do
+    if "$cand" -c 'import torch' 2>/dev/null; then base_py="$cand"; break; fi
+  done
+  base_py="${base_py:-python3}"
+fi
 venv="${KVCORE_DEVICE_VENV:-/tmp/kvcore-device-venv}"
 budget="${KVCORE_CHECK_BUDGET:-420}"
 OUT="${OUT:-$root/device-out}"
@@ -151,9 +158,11 @@ install() {
   "$vpy" -m pip --version >&2   # the base interpreter's pip, seen through the .pth file
   local pip=("$vpy" -m pip install -q --disable-pip-version-check --no-index)
   if ! "$vpy" -c 'import pydantic, sys; sys.exit(0 if int(pydantic.VERSION.split(".")[0]) >= 2 else 1)' 2>/dev/null; then
-    local tag; tag="$("$vpy" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
+    local ver tag
+    ver="$("$vpy" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+    tag="cp${ver/./}"
     if ! compgen -G "$wheels/pydantic_core-*-$tag-*manylinux*x86_64*.whl" > /dev/null; then
-      echo "device_check: no pydantic-core wheel for CPython $tag in benchmarks/wheels/: run benchmarks/fetch_device_wheels.sh $("$vpy" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') where PyPI is reachable and bring benchmarks/wheels/ along" >&2
+      echo "device_check: no pydantic-core wheel for CPython $ver ($tag) in benchmarks/wheels/: run benchmarks/fetch_device_wheels.sh $ver where PyPI is reachable and bring benchmarks/wheels/ along" >&2
       return 3
     fi
     "${pip[@]}" --find-links "$wheels" pydantic
@@ -182,8 +191,12 @@ export -f install
 if step install 180 "$OUT/backends.json" install; then installed=1; py="$venv/bin/python"; fi
 export py
 
-# Runs the CLI and the benchmarks with the venv; "skipped" when the install failed.
-need_install() { [ $installed -eq 1 ] || { skip "$1" "install failed"; return 1; }; }
+# Runs the CLI and the benchmarks with the venv; "skipped" when the install failed, or when the
+# device is CUDA and torch sees none here.
+need_install() {
+  [ $installed -eq 1 ] || { skip "$1" "install failed"; return 1; }
+  [ "$dev" = cpu ] || [ $has_cuda -eq 1 ] || { skip "$1" "no CUDA (KVCORE_DEVICE=cpu runs the steps on the CPU)"; return 1; }
+}
 
 # ---------------------------------------------------------------- 3. the CUDA tests
 junit_json() {  # junit.xml -> counts and every test's outcome
@@ -261,5 +274,7 @@ for b in chunk radix swa hisparse; do
 done
 
 echo "device_check: $(json_get "$OUT/summary.json" line); figures in $OUT" >&2
-# Exit 1 when a step failed or timed out (the summary says which); skips are not failures.
-[ "$(json_get "$OUT/summary.json" failed)" = 0 ]
+# Exit 1 when a step failed or timed out (the summary says which); 3 when CUDA was asked for and
+# torch saw none (nothing ran on a device); skips alone are not failures.
+[ "$(json_get "$OUT/summary.json" failed)" = 0 ] || exit 1
+if [ "$dev" != cpu ] && [ $has_cuda -eq 0 ]; then exit 3; fi

@@ -6,6 +6,9 @@ and skip without CUDA; the ``cpu`` cases run the same code everywhere.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -78,3 +81,45 @@ def test_bench_writes_kv_on_the_device_and_leaks_nothing(device):
     computed = rep["prompt_tokens"] - rep["cached_tokens"] + rep["retract_recomputed_tokens"]
     assert rep["kv_bytes_written"] % token_bytes == 0
     assert rep["kv_bytes_written"] >= computed * token_bytes > 0
+
+
+def _is_mark(node: ast.AST, name: str) -> bool:
+    """``pytest.mark.<name>`` or a call of it."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    return (isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark")
+
+
+def _needs_cuda(node: ast.AST) -> bool:
+    """``pytest.mark.skipif(not <...>.cuda.is_available(), ...)``: a test that runs only with CUDA."""
+    if not (isinstance(node, ast.Call) and _is_mark(node, "skipif") and node.args):
+        return False
+    cond = node.args[0]
+    return (isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not) and isinstance(cond.operand, ast.Call)
+            and ast.unparse(cond.operand.func).endswith("cuda.is_available"))
+
+
+def test_every_test_that_needs_cuda_is_marked_cuda():
+    """The device check runs ``pytest -m cuda``: a CUDA-only test without the marker would never run there."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted([*root.glob("tests/*.py"), *root.glob("plugins/*/tests/*.py")])
+    found, unmarked = 0, []
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        for parent in ast.walk(tree):
+            groups = []
+            if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                groups.append(parent.decorator_list)
+            if isinstance(parent, (ast.List, ast.Tuple)):
+                groups.append(parent.elts)
+            if isinstance(parent, ast.keyword) and parent.arg == "marks":
+                groups.append([parent.value])
+            for group in groups:
+                for node in group:
+                    if _needs_cuda(node):
+                        found += 1
+                        if not any(_is_mark(other, "cuda") for other in group):
+                            unmarked.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found >= 5  # test_pools, test_devices, test_hisparse, test_hisparse_device and this module
+    assert unmarked == [], f"CUDA-only tests without @pytest.mark.cuda: {unmarked}"
