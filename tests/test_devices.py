@@ -121,6 +121,7 @@ def test_cuda_absent_is_one_line():
     assert "CUDA is not available" in available_devices()["cuda"].availability()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pools_live_on_the_gpu():
     pytest.importorskip("kvcore_radix")

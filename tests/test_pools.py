@@ -657,6 +657,7 @@ def test_mha_pool() -> None:
 # ---- devices ------------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("p", [1, 4])
 def test_cuda_tensors_stay_on_device(p: int) -> None:

@@ -12,7 +12,8 @@ import kvcore
 from kvcore import Engine, Req
 from kvcore.factory import ConfigError
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+NEEDS_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 DBS, TOP_K, LAYERS = 32, 12, 2
 
 
