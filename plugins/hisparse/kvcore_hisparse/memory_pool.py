@@ -133,11 +133,12 @@ class HiSparseHostPool:
             return 0
         dev_idx = device_indices.to(device=device_pool.k_buffer[0].device, dtype=torch.int64)
         host_idx = host_indices.to(torch.int64)
-        nb = self.pin_memory
         for layer in range(self.layer_num):
             for src, dst in ((device_pool.k_buffer[layer], self.k_buffer[layer]),
                              (device_pool.v_buffer[layer], self.v_buffer[layer])):
-                dst.index_copy_(0, host_idx, src.index_select(0, dev_idx).to("cpu", non_blocking=nb))
+                # A blocking copy: the CPU index_copy_ reads the gathered bytes at once, and a
+                # non_blocking device-to-pinned copy could still be in flight then (stale host KV).
+                dst.index_copy_(0, host_idx, src.index_select(0, dev_idx).to("cpu"))
         return n * self.bytes_per_token_layer * self.layer_num
 
     def load_to_device_per_layer(
