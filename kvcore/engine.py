@@ -434,12 +434,7 @@ class Engine:
             raise ValueError(
                 f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first"
             )
-        if not req.origin_input_ids:
-            raise ValueError(f"request {req.rid!r} has an empty prompt: there is nothing to compute (nothing was taken)")
-        # Every token id checked once, at admission, before a row, a slot or a state is taken.
-        check_token_ids(req.origin_input_ids)
-        if req.output_ids:
-            check_token_ids(req.output_ids)
+        self._check_prompt(req)
         # A request that has generated nothing yet matches on its prompt: no fill_ids copy.
         fill = req.fill_ids if req.output_ids else req.origin_input_ids
         n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
@@ -448,6 +443,15 @@ class Engine:
         result = cache.match_request(req, key)
         lock = cache.inc_lock_ref(result.last_device_node)
         return Match(req, result, lock, req.kv.is_held, int(result.device_indices.numel()))
+
+    @staticmethod
+    def _check_prompt(req: Req) -> None:
+        """Every token id checked once, at admission, before a row, a slot, a state or a session moves."""
+        if not req.origin_input_ids:
+            raise ValueError(f"request {req.rid!r} has an empty prompt: there is nothing to compute (nothing was taken)")
+        check_token_ids(req.origin_input_ids)
+        if req.output_ids:
+            check_token_ids(req.output_ids)
 
     def cancel(self, m: Match) -> None:
         """Give back what ``match`` took: the lock (and a restored session record)."""
@@ -463,6 +467,10 @@ class Engine:
     def admit(self, req: Req, max_prefix_len: int | None = None, *, matched: Match | None = None) -> bool:
         """Match, lock, take a row, write the prefix.  False (nothing held, lock dropped) when rows run out."""
         if matched is None:
+            if req.kv.is_held:
+                raise ValueError(f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); "
+                                 "finish, abort or retract it first")
+            self._check_prompt(req)
             if (
                 not self.session_is_live(req.session_id)
                 and self._r2t.available_size() == 0
@@ -576,10 +584,12 @@ class Engine:
         kv = req.kv
         if not kv.is_held:
             return
+        cache = self._cache
+        kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len, windowed=cache.windowed)
         if kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
             self._drop(req)
             return
-        release_kv_cache(req, self._cache, is_insert, speculative=self.speculative)
+        release_kv_cache(req, cache, is_insert, speculative=self.speculative)
         sid = req.session_id
         if sid is not None and self.session_is_live(sid):
             self.idle_sessions[sid] = None

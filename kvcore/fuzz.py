@@ -372,7 +372,15 @@ class _Driver:
             ("free padding", lambda: alloc.free(torch.zeros(1, dtype=torch.int64)), True),
             ("dec_lock_ref foreign node", lambda: inner.dec_lock_ref(object()), tree),
             ("decode with no KV", lambda: self.engine.decode([Req("ghost", [1, 2])]), True),
+            ("finish a request holding nothing", lambda: inner.cache_finished_req(Req("ghost", [1, 2, 3])), True),
+            ("retract a request that is not running", lambda: self.engine.retract(Req("ghost", [1, 2])), True),
+            ("admit an empty prompt", lambda: self.engine.admit(Req("ghost", [])), True),
+            ("admit a token id past int64", lambda: self.engine.admit(Req("ghost", [1, 1 << 63])), True),
         ]
+        if free.numel() >= ps and tree:
+            # prev_prefix_len must never narrow the slot check (backends without it refuse the argument).
+            ops.append(("insert free slots under prev_prefix_len",
+                        lambda: inner.insert(RadixKey(key), free[:ps].clone(), prev_prefix_len=ps), True))
         if free.numel() >= ps:
             ops.append(("insert free slots", insert_with(free[:ps].clone()), tree))
             ops.append(("double free", lambda: alloc.free(free[:1].clone()), True))
@@ -392,12 +400,38 @@ class _Driver:
                 self._other = create_cache(self.backend, **_config_for(self.backend, ps))
             other = self._other
             ops.append(("release on another cache", lambda: release_kv_cache(req, other), True))
+            ops.append(("cache_unfinished_req on another cache", lambda: other.cache_unfinished_req(req), True))
+            ops.append(("corrupted committed length", self._corrupted(req, "kv_committed_len", row.kv_allocated_len + 1,
+                                                                      lambda: self.engine.finish(req)), True))
+            if self.inner.windowed:
+                ops.append(("window cursor past committed",
+                            self._corrupted(req, "swa_evicted_seqlen", row.kv_committed_len + 4 * ps,
+                                            lambda: self.cache.free_window_slots([req])), True))
+                ops.append(("float window floor", self._corrupted(req, "swa_evict_floor", 2.5,
+                                                                  lambda: self.cache.free_window_slots([req])), True))
+                ops.append(("pre_lens longer than the batch", lambda: self.cache.free_window_slots([req], [1, 2]), True))
+                ops.append(("window free on another cache", lambda: other.free_window_slots([req]), True))
+            if req in self.decoding:
+                ops.append(("decode batch naming a request twice", lambda: self.engine.decode([req, req]), True))
             busy = [r.session_id for r in live if r.session_id is not None and r.session_id in self.cache.slots
                     and r.kv is self.cache.slots[r.session_id].kv]
             if busy:
                 ops.append(("release_session under a running turn", lambda: self.cache.release_session(busy[0]),
                             True))
         return ops
+
+    @staticmethod
+    def _corrupted(req: Req, field: str, value: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+        """``call`` with one of ``req``'s record fields corrupted, restored afterwards however it ends."""
+        def run() -> Any:
+            kv = req.kv
+            saved = getattr(kv, field)
+            setattr(kv, field, value)
+            try:
+                return call()
+            finally:
+                setattr(kv, field, saved)
+        return run
 
     def op_bad(self, op_no: int) -> str:
         name, call, must_raise = self.rng.choice(self.bad_ops())
