@@ -168,7 +168,7 @@ def run_kvcore(backend: str, options: dict, trace, sources, page_size: int, poli
 def _stub_sglang(src: str) -> None:
     """Make ``sglang.srt.mem_cache.radix_cache`` importable without SGLang's heavy deps."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tools.sglang_shim import load_sglang
+    from tools.sglang_loader import load_sglang
 
     load_sglang(src)
 
