@@ -2,8 +2,8 @@
 
 Seeded random operation sequences are run through SGLang's ``SWARadixCache`` /
 ``SWAChunkCache`` (on its ``SWATokenToKVPoolAllocator``, loaded from source with
-``tools/sglang_swa_shim.py``) and through kvcore-swa's, side by side.  After every
-operation every answer and size must agree:
+``tools/sglang_swa_shim.py``) and through kvcore-swa's, side by side, on the harness base of
+``tools/differential.py``.  After every operation every answer and size must agree:
 
 * ``match_prefix``: matched length, the slots returned, where it stopped;
 * ``insert`` (fresh slots, a random ``swa_evicted_seqlen``): ``prefix_len``;
@@ -27,20 +27,15 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-import types
 
 import pytest
 import torch
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tools.sglang_swa_shim import default_src, load_sglang_swa  # noqa: E402
+from kvcore.tree import iter_subtree
+from tools.differential import Clock, Harness, ids, lru_order, path_tokens, window_prompts
+from tools.sglang_swa_shim import default_src, load_sglang_swa
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
@@ -54,37 +49,26 @@ def sg():
         pytest.skip(f"cannot load SGLang from {SRC}: {type(exc).__name__}: {exc}")
 
 
-class Mismatch(AssertionError):
-    pass
-
-
-def _tok(ids) -> tuple:
-    return tuple(int(t) for t in ids)
-
-
-class Diff:
-    """One scenario run on both sides at once."""
+class Diff(Harness):
+    """SGLang's SWARadixCache / SWAChunkCache and kvcore-swa's, one scenario on both."""
 
     def __init__(self, sg, *, kind: str, page_size: int, window: int, size: int, swa_size: int,
                  num_reqs: int = 6, max_context_len: int = 256, seed: int = 0, check_lru: bool = True,
                  evict_floor: bool = False):
-        self.sg = sg
+        super().__init__(sg, seed=seed, pair_size=size + page_size + 1)
         self.kind = kind
         self.ps = page_size
         self.W = window
         self.size = size
         self.check_lru = check_lru
-        self.rng = random.Random(seed)
-        self.log: list[str] = []
         name = "swa" if kind == "tree" else "swa-chunk"
         self.ours = create_cache(name, size=size, swa_size=swa_size, sliding_window_size=window,
                                  page_size=page_size, max_num_reqs=num_reqs, max_context_len=max_context_len)
         self.oa = self.ours.token_to_kv_pool_allocator
-        self.sa = sg.make_allocator(size, swa_size, page_size)
+        self.sa = sg.make_swa_allocator(size, swa_size, page_size)
         self.srtp = sg.make_req_to_token_pool(num_reqs, max_context_len)
         make = sg.make_radix_cache if kind == "tree" else sg.make_chunk_cache
         self.theirs = make(self.sa, self.srtp, page_size, window)
-        self.pair = torch.full((size + page_size + 1,), -1, dtype=torch.int64)
         self.checker = InvariantChecker(self.ours)
         self.live: list[tuple[Req, object, dict]] = []  # (ours, theirs, plan)
         self.held: list[tuple[object, object, object, object]] = []  # (our node, lock, their node, uuid)
@@ -95,77 +79,39 @@ class Diff:
 
     # ------------------------------------------------------------------ helpers
 
-    def fail(self, what: str) -> None:
-        tail = "\n  ".join(self.log[-25:])
-        raise Mismatch(f"{what}\n  last ops:\n  {tail}")
-
-    def eq(self, what: str, a, b) -> None:
-        if a != b:
-            self.fail(f"{what}: ours={a!r} sglang={b!r}")
-
-    def mapped(self, slots) -> list[int]:
-        s = torch.as_tensor(slots).to(torch.int64)
-        return self.pair[s].tolist()
-
     def skey(self, ids, extra):
         return self.sg.RadixKey(list(ids), extra)
 
-    @staticmethod
-    def _path(node, root) -> tuple:
-        parts = []
-        while node is not None and node is not root:
-            k = node.key
-            parts.append(_tok(k.token_ids if hasattr(k, "token_ids") else k))
-            node = node.parent
-        out: list = []
-        for p in reversed(parts):
-            out.extend(p)
-        return tuple(out)
-
     def opath(self, node):
-        return None if node is None else self._path(node, self.ours.root_node)
+        return None if node is None else path_tokens(node, self.ours.root_node)
 
     def spath(self, node):
-        return None if node is None else self._path(node, self.theirs.root_node)
+        return None if node is None else path_tokens(node, self.theirs.root_node, lambda k: k.token_ids)
 
     # ------------------------------------------------------------------ state comparison
 
     def _canon_ours(self):
-        out = []
-        for n in self.ours._nodes():
-            out.append((n.extra_key, self.opath(n), n.tombstone, n.full_lock_ref, n.swa_lock_ref,
-                        tuple(self.mapped(n.value))))
+        out = [(n.extra_key, self.opath(n), n.tombstone, n.full_lock_ref, n.swa_lock_ref, tuple(self.mapped(n.value)))
+               for n in iter_subtree(self.ours.root_node)]
         return sorted(out, key=repr)
 
     def _canon_theirs(self):
-        out = []
-        stack = list(self.theirs.root_node.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            out.append((n.key.extra_key, self.spath(n), bool(n.swa_tombstone), n.full_lock_ref,
-                        n.swa_lock_ref, _tok(n.value)))
+        out = [(n.key.extra_key, self.spath(n), bool(n.swa_tombstone), n.full_lock_ref, n.swa_lock_ref, ids(n.value))
+               for n in iter_subtree(self.theirs.root_node)]
         return sorted(out, key=repr)
 
     def _lru_ours(self, lru):
         return [(n.extra_key, self.opath(n)) for n in lru]
 
     def _lru_theirs(self, lru):
-        out = []
-        x = getattr(lru.tail, lru.prv)
-        while x is not lru.head:
-            out.append((x.key.extra_key, self.spath(x)))
-            x = getattr(x, lru.prv)
-        return out
+        return [(x.key.extra_key, self.spath(x)) for x in lru_order(lru.head, lru.tail, lambda n: getattr(n, lru.prv))]
 
     def compare(self, what: str) -> None:
         o, t = self.ours, self.theirs
         self.eq(f"{what}: full_available_size", self.oa.full_available_size(), self.sa.full_available_size())
         self.eq(f"{what}: swa_available_size", self.oa.swa_available_size(), self.sa.swa_available_size())
+        # (SGLang's ChunkCache has no full_/swa_ protected sizes: BasePrefixCache's default 0, as ours.)
         for name in ("full_evictable_size", "swa_evictable_size", "full_protected_size", "swa_protected_size"):
-            if self.kind == "chunk" and name != "full_evictable_size":
-                # SGLang's ChunkCache has no full_/swa_ protected sizes (BasePrefixCache default: 0)
-                pass
             self.eq(f"{what}: {name}", getattr(o, name)(), getattr(t, name)())
         # Which full slots still own a window slot.
         om = self.oa.full_to_swa_index_mapping
@@ -178,11 +124,7 @@ class Diff:
                       f"{sorted(set(ours_live) - set(theirs_live))} "
                       f"sglang-only={sorted(set(theirs_live) - set(ours_live))}")
         if self.kind == "tree":
-            co, ct = self._canon_ours(), self._canon_theirs()
-            if co != ct:
-                so, st = set(co), set(ct)
-                self.fail(f"{what}: trees differ:\n    ours-only={sorted(so - st, key=repr)}\n"
-                          f"    sglang-only={sorted(st - so, key=repr)}")
+            self.eq_rows(f"{what}: trees", self._canon_ours(), self._canon_theirs())
             if self.check_lru:
                 self.eq(f"{what}: full LRU order", self._lru_ours(o.full_lru), self._lru_theirs(t.full_lru_list))
                 self.eq(f"{what}: window LRU order", self._lru_ours(o.swa_lru), self._lru_theirs(t.swa_lru_list))
@@ -246,7 +188,7 @@ class Diff:
             s = self.sa.alloc_extend(T(start), T(start), T(end), T(end), T(slast), n)
         if o is None or s is None:
             self.fail(f"allocation of {n} failed: ours={o is not None} sglang={s is not None}")
-        self.pair[o.to(torch.int64)] = s.to(torch.int64)
+        self.pair_slots(o, s)
         orow[start:end] = o.to(torch.int32)
         srow[start:end] = s.to(torch.int32)
         ok.kv_allocated_len = ok.kv_committed_len = end
@@ -462,7 +404,7 @@ class Diff:
         o = self.oa.alloc(n) if ps == 1 else self.oa.alloc_extend([0], [0], [n], [n], [-1], n)
         T = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
         s = self.sa.alloc(n) if ps == 1 else self.sa.alloc_extend(T(0), T(0), T(n), T(n), T(-1), n)
-        self.pair[o] = s
+        self.pair_slots(o, s)
         # SGLang's insert expects the caller to have freed the window slots below the cursor.
         if sev:
             self.sa.free_swa(s[:sev])
@@ -474,56 +416,47 @@ class Diff:
 
     # ------------------------------------------------------------------ the random driver
 
-    def run(self, n_ops: int, prompts: list[list[int]]) -> None:
+    def operation(self, prompts: list[list[int]]) -> None:
         rng = self.rng
         ps = self.ps
         tree = self.kind == "tree"
-        for _ in range(n_ops):
-            r = rng.random()
-            if r < 0.18 and len(self.live) < 5:
-                base = rng.choice(prompts)
-                cut = rng.randrange(1, len(base) + 1)
-                prompt = base[:cut] + [rng.randrange(8) for _ in range(rng.randrange(0, 3 * ps + 6))]
-                if len(prompt) < 2:
-                    prompt = prompt + [0, 1]
-                extra = "x" if rng.random() < 0.1 else None
-                chunk = rng.choice([1, 3, ps, 2 * ps + 1, self.W, 1000])
-                self.admit(prompt, extra, chunk, rng.randrange(0, 3 * self.W + 3))
-            elif r < 0.62 and self.live:
-                self.step(rng.randrange(len(self.live)))
-            elif r < 0.68 and self.live:
-                self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
-            elif r < 0.78:
-                base = rng.choice(prompts)
-                key = base[: rng.randrange(0, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 3))]
-                self.probe_match(key, "x" if rng.random() < 0.1 else None, hold=tree and rng.random() < 0.4)
-            elif r < 0.84 and self.held:
-                self.release_held(rng.randrange(len(self.held)))
-            elif r < 0.92:
-                self.evict(rng.choice([0, 1, ps, 3 * ps, 40]), rng.choice([0, 0, 1, ps, 2 * self.W, 40]))
-            elif tree:
-                base = rng.choice(prompts)
-                head = base[: rng.randrange(1, len(base) + 1)]
-                key = head + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
-                n = len(key) // ps
-                self.insert(key, None, rng.choice([0, 0, rng.randrange(0, n + 1)]) if n else 0)
-        # Drain: finish everything, give back held locks, evict everything.
+        r = rng.random()
+        if r < 0.18 and len(self.live) < 5:
+            base = rng.choice(prompts)
+            cut = rng.randrange(1, len(base) + 1)
+            prompt = base[:cut] + [rng.randrange(8) for _ in range(rng.randrange(0, 3 * ps + 6))]
+            if len(prompt) < 2:
+                prompt = prompt + [0, 1]
+            extra = "x" if rng.random() < 0.1 else None
+            chunk = rng.choice([1, 3, ps, 2 * ps + 1, self.W, 1000])
+            self.admit(prompt, extra, chunk, rng.randrange(0, 3 * self.W + 3))
+        elif r < 0.62 and self.live:
+            self.step(rng.randrange(len(self.live)))
+        elif r < 0.68 and self.live:
+            self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
+        elif r < 0.78:
+            base = rng.choice(prompts)
+            key = base[: rng.randrange(0, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 3))]
+            self.probe_match(key, "x" if rng.random() < 0.1 else None, hold=tree and rng.random() < 0.4)
+        elif r < 0.84 and self.held:
+            self.release_held(rng.randrange(len(self.held)))
+        elif r < 0.92:
+            self.evict(rng.choice([0, 1, ps, 3 * ps, 40]), rng.choice([0, 0, 1, ps, 2 * self.W, 40]))
+        elif tree:
+            base = rng.choice(prompts)
+            head = base[: rng.randrange(1, len(base) + 1)]
+            key = head + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
+            n = len(key) // ps
+            self.insert(key, None, rng.choice([0, 0, rng.randrange(0, n + 1)]) if n else 0)
+
+    def drain(self) -> None:
+        """Finish everything, give back held locks, evict everything."""
         while self.live:
             self.finish(0, True)
         while self.held:
             self.release_held(0)
         self.evict(self.size, self.size)
         self.eq("drained full pool", self.oa.full_available_size(), self.size)
-
-
-def _prompts(rng: random.Random, page_size: int, window: int) -> list[list[int]]:
-    bases = []
-    for _ in range(4):
-        n = rng.randrange(page_size, 4 * window + 4 * page_size + 4)
-        bases.append([rng.randrange(4) for _ in range(n)])
-    # Shared prefixes, so requests meet each other's paths.
-    bases.append(bases[0][: len(bases[0]) // 2] + [rng.randrange(4) for _ in range(window + page_size)])
-    return bases
 
 
 TREE_CONFIGS = [
@@ -543,14 +476,7 @@ def run_scenario(sg, kind, ps, W, size, swa, seed, ops=OPS, check_lru=True, evic
     rng = random.Random(f"{kind}-{ps}-{W}-{seed}")
     d = Diff(sg, kind=kind, page_size=ps, window=W, size=size, swa_size=swa, seed=seed, check_lru=check_lru,
              evict_floor=evict_floor)
-    try:
-        d.run(ops, _prompts(rng, ps, W))
-    except Mismatch:
-        raise
-    except Exception as exc:  # an error or assertion on either side, with the op log
-        tail = "\n  ".join(d.log[-25:])
-        raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
-    return d
+    return d.run(ops, window_prompts(rng, ps, W))
 
 
 @pytest.mark.parametrize("ps, W, size, swa", TREE_CONFIGS)
@@ -587,30 +513,13 @@ def test_swa_evict_floor_matches_sglang_but_its_window_leak(sg, kind, ps, W, siz
 # window free returned (a documented difference, see docs/CONTRACT-NOTES.md).
 
 
-class PureClock:
-    """One value per operation for kvcore's tree, ``t + k * 1e-6`` for SGLang's k-th reading."""
+class PureDiff(Harness):
+    """SGLang's PureSWARadixCache / PureSWAChunkCache and kvcore's pure-SWA backends (through kvcore.Engine)."""
 
-    def __init__(self):
-        self.t, self.k = 1000.0, 0
-
-    def tick(self):
-        self.t += 1.0
-        self.k = 0
-
-    def __call__(self):
-        return self.t
-
-    def sglang(self):
-        self.k += 1
-        return self.t + self.k * 1e-6
-
-
-class PureDiff:
     def __init__(self, sg, clock, *, kind: str, window: int, size: int, seed: int, num_reqs: int = 6,
                  max_context_len: int = 256):
-        self.sg, self.clock, self.kind, self.W, self.size = sg, clock, kind, window, size
-        self.rng = random.Random(seed)
-        self.log: list[str] = []
+        super().__init__(sg, seed=seed, pair_size=size + 2)
+        self.clock, self.kind, self.W, self.size = clock, kind, window, size
         name = "swa-pure" if kind == "tree" else "swa-pure-chunk"
         self.ours = create_cache(name, size=size, sliding_window_size=window, page_size=1,
                                  max_num_reqs=num_reqs, max_context_len=max_context_len)
@@ -623,43 +532,21 @@ class PureDiff:
         self.srtp = sg.make_req_to_token_pool(num_reqs, max_context_len)
         make = sg.make_pure_radix_cache if kind == "tree" else sg.make_pure_chunk_cache
         self.theirs = make(self.sa, self.srtp, 1, window)
-        self.pair = torch.full((size + 2,), -1, dtype=torch.int64)
         self.checker = InvariantChecker(self.ours)
         self.live: list[tuple[Req, object, dict]] = []
         self.rid = 0
         self.floor_inserts = 0  # finished requests whose insert the floor capped
         self.sglang_double_frees = 0
 
-    def fail(self, what: str) -> None:
-        tail = "\n  ".join(self.log[-25:])
-        raise Mismatch(f"{what}\n  last ops:\n  {tail}")
-
-    def eq(self, what: str, a, b) -> None:
-        if a != b:
-            self.fail(f"{what}: ours={a!r} sglang={b!r}")
-
-    def mapped(self, slots) -> list[int]:
-        return self.pair[torch.as_tensor(slots).to(torch.int64)].tolist()
-
     def _tree_ours(self):
-        out, stack = [], [(self.ours.root_node, ())]
-        while stack:
-            node, path = stack.pop()
-            for child in node.children.values():
-                p = path + _tok(child.key)
-                out.append((child.extra_key, p, child.lock_ref, tuple(self.mapped(child.value))))
-                stack.append((child, p))
-        return sorted(out, key=repr)
+        root = self.ours.root_node
+        return sorted(((n.extra_key, path_tokens(n, root), n.lock_ref, tuple(self.mapped(n.value)))
+                       for n in iter_subtree(root)), key=repr)
 
     def _tree_theirs(self):
-        out, stack = [], [(self.theirs.root_node, ())]
-        while stack:
-            node, path = stack.pop()
-            for child in node.children.values():
-                p = path + _tok(child.key.token_ids)
-                out.append((child.key.extra_key, p, child.lock_ref, _tok(child.value)))
-                stack.append((child, p))
-        return sorted(out, key=repr)
+        root = self.theirs.root_node
+        return sorted(((n.key.extra_key, path_tokens(n, root, lambda k: k.token_ids), n.lock_ref, ids(n.value))
+                       for n in iter_subtree(root)), key=repr)
 
     def compare(self, what: str) -> None:
         o, t = self.ours, self.theirs
@@ -668,7 +555,7 @@ class PureDiff:
             if self.kind == "tree" or name.startswith("full"):
                 self.eq(f"{what}: {name}", getattr(o, name)(), getattr(t, name)())
         if self.kind == "tree":
-            self.eq(f"{what}: tree", self._tree_ours(), self._tree_theirs())
+            self.eq_rows(f"{what}: trees", self._tree_ours(), self._tree_theirs())
         for req, sreq, _ in self.live:
             ok, sk = req.kv, sreq.kv
             for f in ("cache_protected_len", "kv_committed_len", "kv_allocated_len", "swa_evict_floor",
@@ -704,7 +591,7 @@ class PureDiff:
     def _pair_new(self, req: Req, sreq, start: int, end: int) -> None:
         s = self.sa.alloc(end - start)
         assert s is not None and self.new_slots.numel() == end - start
-        self.pair[self.new_slots] = s
+        self.pair_slots(self.new_slots, s)
         self.srtp.req_to_token[sreq.kv.req_pool_idx, start:end] = s.to(torch.int32)
         sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
 
@@ -828,27 +715,28 @@ class PureDiff:
         self.eq("evict gain", r.num_tokens_evicted, self.sa.available_size() - before)
         self.compare("evict")
 
-    def run(self, n_ops: int, prompts: list[list[int]]) -> None:
+    def operation(self, prompts: list[list[int]]) -> None:
         rng = self.rng
-        for _ in range(n_ops):
-            r = rng.random()
-            if r < 0.2 and len(self.live) < 5:
-                base = rng.choice(prompts)
-                prompt = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(6))]
-                if len(prompt) < 2:
-                    prompt += [0, 1]
-                chunk = rng.choice([1, 3, self.W, 1000])
-                self.admit(prompt, "x" if rng.random() < 0.1 else None, chunk, rng.randrange(0, 4 * self.W),
-                           floor=rng.random() < 0.7)
-            elif r < 0.7 and self.live:
-                self.step(rng.randrange(len(self.live)))
-            elif r < 0.76 and self.live:
-                self.finish(rng.randrange(len(self.live)), rng.random() < 0.8)
-            elif r < 0.88:
-                base = rng.choice(prompts)
-                self.probe_match(base[: rng.randrange(0, len(base) + 1)], "x" if rng.random() < 0.1 else None)
-            elif self.kind == "tree":
-                self.evict(rng.choice([0, 1, 5, 40]), rng.choice([0, 0, 1, 2 * self.W]))
+        r = rng.random()
+        if r < 0.2 and len(self.live) < 5:
+            base = rng.choice(prompts)
+            prompt = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(6))]
+            if len(prompt) < 2:
+                prompt += [0, 1]
+            chunk = rng.choice([1, 3, self.W, 1000])
+            self.admit(prompt, "x" if rng.random() < 0.1 else None, chunk, rng.randrange(0, 4 * self.W),
+                       floor=rng.random() < 0.7)
+        elif r < 0.7 and self.live:
+            self.step(rng.randrange(len(self.live)))
+        elif r < 0.76 and self.live:
+            self.finish(rng.randrange(len(self.live)), rng.random() < 0.8)
+        elif r < 0.88:
+            base = rng.choice(prompts)
+            self.probe_match(base[: rng.randrange(0, len(base) + 1)], "x" if rng.random() < 0.1 else None)
+        elif self.kind == "tree":
+            self.evict(rng.choice([0, 1, 5, 40]), rng.choice([0, 0, 1, 2 * self.W]))
+
+    def drain(self) -> None:
         while self.live:
             self.finish(0, True)
         self.evict(self.size, self.size)
@@ -860,25 +748,12 @@ PURE_CONFIGS = [(8, 160), (5, 96), (16, 256)]  # window, pool
 
 @pytest.fixture
 def pure_clock(sg, monkeypatch):
-    clk = PureClock()
-    import time as _time
-
-    fake = types.SimpleNamespace(monotonic=clk.sglang, time=clk.sglang, perf_counter=_time.perf_counter)
-    monkeypatch.setattr(sg.radix_cache, "time", fake)
-    return clk
+    return Clock().install(monkeypatch, sg.radix_cache)
 
 
 def run_pure(sg, clock, kind, W, size, seed, ops=OPS):
     rng = random.Random(f"pure-{kind}-{W}-{seed}")
-    d = PureDiff(sg, clock, kind=kind, window=W, size=size, seed=seed)
-    try:
-        d.run(ops, _prompts(rng, 1, W))
-    except Mismatch:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        tail = "\n  ".join(d.log[-25:])
-        raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
-    return d
+    return PureDiff(sg, clock, kind=kind, window=W, size=size, seed=seed).run(ops, window_prompts(rng, 1, W))
 
 
 @pytest.mark.parametrize("W, size", PURE_CONFIGS)

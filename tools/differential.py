@@ -1,0 +1,167 @@
+"""The base of every differential harness: an SGLang object and a kvcore object driven in lockstep.
+
+A harness subclasses :class:`Harness` and writes only what differs: how its two sides are
+built, its operations (each compares what it answered, and the state after it), and its
+``operation`` (one random operation of a run).  The base holds what every one shares:
+
+* the seeded ``rng`` and the log of operations; :meth:`Harness.fail` raises a
+  :class:`Mismatch` that names the seed, the operation index and the last operations;
+* :meth:`Harness.run`: ``operation`` ``n_ops`` times (with ``compare_after_op``, a
+  :meth:`Harness.compare` after each), then ``drain``; an error on either side comes back
+  as a :class:`Mismatch` with the same report;
+* the slot pairing made at allocation time (our slot -> SGLang's), so that two allocators'
+  free-list orders need not agree (:meth:`Harness.pair_slots`, :meth:`Harness.mapped`);
+* comparison helpers: :meth:`Harness.eq`, :meth:`Harness.eq_rows` (canonical trees, reported
+  as ours-only / sglang-only rows), :func:`path_tokens`, :func:`lru_order`, and the
+  deterministic :class:`Clock` both sides read.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["Clock", "Harness", "Mismatch", "lru_order", "path_tokens", "window_prompts"]
+
+
+class Mismatch(AssertionError):
+    """Ours and SGLang's answered differently (or one side failed)."""
+
+
+def ids(tokens: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(t) for t in tokens)
+
+
+def path_tokens(node: Any, root: Any, key_tokens: Callable[[Any], Iterable[Any]] = lambda k: k) -> tuple[int, ...]:
+    """The tokens from ``root`` down to ``node``; ``key_tokens`` reads a node's key (SGLang's: ``.token_ids``)."""
+    parts = []
+    while node is not None and node is not root:
+        parts.append(ids(key_tokens(node.key)))
+        node = node.parent
+    return tuple(t for p in reversed(parts) for t in p)
+
+
+def lru_order(head: Any, tail: Any, prev: Callable[[Any], Any]) -> Iterator[Any]:
+    """The nodes of one of SGLang's doubly linked LRU lists, most recent first."""
+    x = prev(tail)
+    while x is not head:
+        yield x
+        x = prev(x)
+
+
+def window_prompts(rng: random.Random, page_size: int, window: int) -> list[list[int]]:
+    """Prompt stems for the window caches: four random ones and one sharing half of the first."""
+    bases = []
+    for _ in range(4):
+        n = rng.randrange(page_size, 4 * window + 4 * page_size + 4)
+        bases.append([rng.randrange(4) for _ in range(n)])
+    # Shared prefixes, so requests meet each other's paths.
+    bases.append(bases[0][: len(bases[0]) // 2] + [rng.randrange(4) for _ in range(window + page_size)])
+    return bases
+
+
+class Clock:
+    """A deterministic clock advanced once per top-level operation.
+
+    kvcore reads ``clock()`` (one value per operation).  SGLang reads
+    ``time.monotonic()`` several times inside one operation and with a real clock
+    each later reading is (slightly) larger -- e.g. a new leaf is newer than the
+    path it hangs from -- so its readings are ``t + k * 1e-6`` for the k-th call of
+    the operation, and its times are compared after ``floor``.  Without that, SGLang
+    breaks the resulting ties arbitrarily (heap order over a set of nodes).
+    """
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.k = 0
+
+    def tick(self) -> None:
+        self.t += 1.0
+        self.k = 0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sglang(self) -> float:
+        self.k += 1
+        return self.t + self.k * 1e-6
+
+    def install(self, monkeypatch: Any, sglang_module: types.ModuleType) -> Clock:
+        """Make ``sglang_module``'s ``time`` read :meth:`sglang` (pytest's ``monkeypatch`` undoes it)."""
+        fake = types.SimpleNamespace(monotonic=self.sglang, time=self.sglang, perf_counter=time.perf_counter)
+        monkeypatch.setattr(sglang_module, "time", fake)
+        return self
+
+
+class Harness:
+    """One scenario run on both sides at once; subclasses add the two sides and the operations."""
+
+    log_tail = 25  # operations shown in a mismatch report
+    compare_after_op = False  # True: run() compares after every operation (else each operation does)
+
+    def __init__(self, sg: Any, *, seed: Any, pair_size: int = 0):
+        self.sg = sg
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.log: list[str] = []
+        self.op = -1  # index of the running operation (-1: setting up, n_ops: draining)
+        self.pair = torch.full((pair_size,), -1, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ reporting
+
+    def fail(self, what: str) -> None:
+        tail = "\n  ".join(self.log[-self.log_tail:])
+        raise Mismatch(f"seed={self.seed!r} op={self.op}: {what}\n  last ops:\n  {tail}")
+
+    def eq(self, what: str, ours: Any, theirs: Any) -> None:
+        if ours != theirs:
+            self.fail(f"{what}: ours={ours!r} sglang={theirs!r}")
+
+    def eq_rows(self, what: str, ours: list, theirs: list) -> None:
+        """Two canonical row lists (a tree each, sorted) must be equal; a report shows only the rows that differ."""
+        if ours != theirs:
+            so, st = set(map(repr, ours)), set(map(repr, theirs))
+            self.fail(f"{what} differ:\n    ours-only={sorted(so - st)}\n    sglang-only={sorted(st - so)}")
+
+    # ------------------------------------------------------------------ slot pairing
+
+    def pair_slots(self, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        self.pair[ours.to(torch.int64)] = theirs.to(torch.int64)
+
+    def mapped(self, slots: Any) -> list[int]:
+        """SGLang's slots for ours, through the pairing."""
+        return self.pair[torch.as_tensor(slots).to(torch.int64)].tolist()
+
+    # ------------------------------------------------------------------ the driver
+
+    def compare(self, what: str) -> None:
+        """Every size, pool and tree of the two sides must agree (a subclass says which)."""
+        raise NotImplementedError
+
+    def operation(self, *args: Any) -> None:
+        """One random operation, drawn from ``self.rng``."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """After the run: give everything back on both sides and check that it all came back."""
+
+    def run(self, n_ops: int, *args: Any) -> Harness:
+        try:
+            for self.op in range(n_ops):
+                self.operation(*args)
+                if self.compare_after_op:
+                    self.compare(f"op {self.op}")
+            self.op = n_ops
+            self.drain()
+        except Mismatch:
+            raise
+        except Exception as exc:  # an error or assertion on either side, with the op log
+            tail = "\n  ".join(self.log[-self.log_tail:])
+            raise Mismatch(f"seed={self.seed!r} op={self.op}: {type(exc).__name__}: {exc}\n"
+                           f"  last ops:\n  {tail}") from exc
+        return self
