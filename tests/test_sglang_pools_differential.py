@@ -19,6 +19,7 @@ import torch
 from kvcore.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from kvcore.pools.swa_allocator import SWATokenToKVPoolAllocator
 from kvcore.record import ReqKvInfo
+from tools.differential import our_free_pages, sglang_free_pages
 from tools.sglang_loader import default_src, load_sglang
 
 SRC = default_src()
@@ -28,18 +29,6 @@ pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (se
 @pytest.fixture(scope="module")
 def sg():
     return load_sglang(SRC)
-
-
-def sg_free_list(a):
-    assert a.release_pages.numel() == 0
-    return a.free_pages.tolist()
-
-
-def our_free_list(a):
-    pages = a.free_slots()
-    if a.page_size > 1:
-        pages = pages.reshape(-1, a.page_size)[:, 0] // a.page_size
-    return pages.tolist()
 
 
 def test_req_to_token_pool_rows(sg):
@@ -140,7 +129,7 @@ def test_token_allocator(sg, page_size):
                     s.free(h[0][perm])
                     o.free(h[1][perm])
             assert s.available_size() == o.available_size(), (seed, step)
-            assert sg_free_list(s) == our_free_list(o), (seed, step)
+            assert sglang_free_pages(s) == our_free_pages(o), (seed, step)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -187,5 +176,5 @@ def test_swa_allocator(sg, page_size):
             assert s.swa_available_size() == o.swa_available_size(), (seed, step)
             assert s.full_to_swa_index_mapping[:-1].tolist() == o.full_to_swa_index_mapping.tolist()
             assert int(s.full_to_swa_index_mapping[-1]) == -1  # SGLang's padding entry
-            assert sg_free_list(s.full_attn_allocator) == our_free_list(o.full_attn_allocator)
-            assert sg_free_list(s.swa_attn_allocator) == our_free_list(o.swa_attn_allocator)
+            assert sglang_free_pages(s.full_attn_allocator) == our_free_pages(o.full_attn_allocator)
+            assert sglang_free_pages(s.swa_attn_allocator) == our_free_pages(o.swa_attn_allocator)

@@ -24,9 +24,11 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import pytest
 import torch
 
-__all__ = ["Clock", "Harness", "Mismatch", "lru_order", "path_tokens", "window_prompts"]
+__all__ = ["Clock", "Harness", "Mismatch", "load_or_skip", "lru_order", "our_free_pages", "path_tokens",
+           "sglang_free_pages", "window_prompts"]
 
 
 class Mismatch(AssertionError):
@@ -35,6 +37,30 @@ class Mismatch(AssertionError):
 
 def ids(tokens: Iterable[Any]) -> tuple[int, ...]:
     return tuple(int(t) for t in tokens)
+
+
+def load_or_skip(load: Callable[..., Any], src: str | None, what: str, **kw: Any) -> Any:
+    """``load(src, **kw)``; when SGLang's classes do not load there, the calling test module skips, saying why."""
+    try:
+        return load(src, **kw)
+    except Exception as exc:  # noqa: BLE001 - any failure to load SGLang means: nothing to compare against
+        pytest.skip(f"cannot load SGLang's {what} from {src}: {type(exc).__name__}: {exc}")
+
+
+def our_free_pages(alloc: Any) -> list[int]:
+    """kvcore's free list as SGLang keeps its own: slot ids at page size 1, page ids above."""
+    pages = alloc.free_slots()
+    if alloc.page_size > 1:
+        pages = pages.reshape(-1, alloc.page_size)[:, 0] // alloc.page_size
+    return pages.tolist()
+
+
+def sglang_free_pages(alloc: Any, *, with_released: bool = False) -> list[int]:
+    """SGLang's free list; its not yet merged ``release_pages`` must be empty, or with ``with_released`` follow."""
+    if with_released:
+        return torch.cat([alloc.free_pages, alloc.release_pages]).tolist()
+    assert alloc.release_pages.numel() == 0, "SGLang holds released pages not yet merged"
+    return alloc.free_pages.tolist()
 
 
 def path_tokens(node: Any, root: Any, key_tokens: Callable[[Any], Iterable[Any]] = lambda k: k) -> tuple[int, ...]:

@@ -55,6 +55,35 @@ def cache_params(conv_shapes: Any = ((6, 3),), temporal_shape: Any = (2, 4, 4), 
     )
 
 
+def track_like_scheduler(sreq: Any, pool: Any, start: int, end: int, *, prefill: bool, chunk: int,
+                         decode_grid: int) -> bool:
+    """SGLang's scheduler (extra-buffer mode, overlap on, not lazy): the tracking decision of one forward.
+
+    Prefill (``_mamba_radix_cache_v2_req_prepare_for_extend``): an extend of at least one
+    chunk tracks at ``start + L // chunk * chunk``, or at the branching point when it lies
+    inside, chunk-aligned from the start.  Decode (``_mamba_prefix_cache_update``): a step
+    that reaches a multiple of ``decode_grid`` (``lcm(chunk, page, mamba_track_interval)``)
+    tracks there.  Sets the record's track fields as SGLang does; True when it tracked.
+    """
+    sk = sreq.kv
+    if prefill:
+        length = end - start
+        if length < chunk:
+            return False
+        seqlen = start + length // chunk * chunk
+        br = sreq.mamba_branching_seqlen
+        if br is not None and start < br < end and (br - start) % chunk == 0:
+            seqlen = br
+    else:
+        if end % decode_grid:
+            return False
+        seqlen = end
+    sk.mamba_last_track_idx = sk.mamba_next_track_idx
+    sk.mamba_next_track_idx = pool.get_mamba_ping_pong_other_idx(sk.mamba_next_track_idx)
+    sk.mamba_last_track_seqlen = seqlen
+    return True
+
+
 def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> types.SimpleNamespace:
     """The sliding-window namespace plus SGLang's Mamba pools and ``MambaRadixCache``."""
     sg = load_sglang_swa(src, real=REAL + real)
@@ -110,6 +139,7 @@ def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> 
     ns.HybridReqToTokenPool = pool_ns["HybridReqToTokenPool"]
     ns.MambaSlotAllocator = mamba_alloc.MambaSlotAllocator
     ns.set_chunk_size = set_chunk_size
+    ns.track_like_scheduler = track_like_scheduler
     ns.make_hybrid_pool = make_hybrid_pool
     ns.make_mamba_cache = make_mamba_cache
     return ns

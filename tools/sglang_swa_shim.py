@@ -48,7 +48,16 @@ def load_sglang_swa(src: str | None = None, *, real: tuple[str, ...] = ()) -> ty
         return sg.CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
                                   page_size=page_size, sliding_window_size=window)
 
+    def free_out_of_window(cache: Any, sreq: Any, pre_len: int, *, window: int, page_size: int,
+                           chunk: bool) -> None:
+        """SGLang's ``free_swa_out_of_window_slots`` as its scheduler calls it for ``cache``'s request ``sreq``."""
+        sg.free_swa_out_of_window_slots(
+            sreq, pre_len, sliding_window_size=window, page_size=page_size, req_to_token_pool=cache.req_to_token_pool,
+            token_to_kv_pool_allocator=cache.token_to_kv_pool_allocator, is_chunk_cache=chunk,
+            retain_floor=cache.swa_retain_floor(sreq))
+
     ns = types.SimpleNamespace(**vars(sg))
+    ns.free_out_of_window = free_out_of_window
     ns.swa_radix_cache = swa_rc
     ns.chunk_cache = chunk
     ns.SWARadixCache = swa_rc.SWARadixCache

@@ -44,7 +44,7 @@ import torch
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from kvcore.tree import iter_subtree
-from tools.differential import Harness, lru_order, path_tokens
+from tools.differential import Harness, load_or_skip, lru_order, our_free_pages, path_tokens, sglang_free_pages
 from tools.sglang_mamba_shim import default_src, load_sglang_mamba
 
 SRC = default_src()
@@ -54,10 +54,7 @@ OPS = int(os.environ.get("KVCORE_DIFF_OPS", "250"))
 
 @pytest.fixture(scope="module")
 def sg():
-    try:
-        return load_sglang_mamba(SRC)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang's MambaRadixCache from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_mamba, SRC, "MambaRadixCache")
 
 
 class Pair(Harness):
@@ -116,11 +113,7 @@ class Pair(Harness):
         o, t = self.ours, self.theirs
         for name in ("full_evictable_size", "full_protected_size", "mamba_evictable_size", "mamba_protected_size"):
             self.eq(f"{what}: {name}", getattr(o, name)(), getattr(t, name)())
-        ours_free = self.oa.free_slots()
-        if self.page > 1:
-            ours_free = ours_free.reshape(-1, self.page)[:, 0] // self.page
-        self.eq(f"{what}: full free list", ours_free.tolist(),
-                torch.cat([self.sa.free_pages, self.sa.release_pages]).tolist())
+        self.eq(f"{what}: full free list", our_free_pages(self.oa), sglang_free_pages(self.sa, with_released=True))
         self.eq(f"{what}: state free list", o.mamba_allocator.free_slots().tolist(),
                 self.spool.mamba_allocator.free_slots.tolist())
         co = self._canon(o.root_node, lambda n: self.opath(n)[1], lambda n: n.extra_key, lambda n: n.lock_ref)
@@ -168,33 +161,17 @@ class Pair(Harness):
             pool.mamba_cache.temporal[:, idx] = val + 0.5
 
     def s_track(self, sreq, start: int, end: int, prefill: bool) -> None:
-        """SGLang's scheduler (extra-buffer mode, overlap on, not lazy): the tracking decision of one forward.
+        """SGLang's scheduler's tracking decision of one forward (``sg.track_like_scheduler``).
 
-        Prefill (``_mamba_radix_cache_v2_req_prepare_for_extend``): an extend of at least one grid
-        tracks at ``start + L // grid * grid``, or at the branching point when it lies inside,
-        chunk-aligned from the start.  Decode (``_mamba_prefix_cache_update``): a step that reaches
-        a multiple of ``lcm(grid, mamba_track_interval)`` tracks there.  The kernel's snapshot write
-        is stood in for by copying the running state into the tracked slot before the next
-        ``cache_*_req`` (when kvcore, which has no forward, takes its snapshot too).
+        The kernel's snapshot write is stood in for by copying the running state into the
+        tracked slot before the next ``cache_*_req`` (when kvcore, which has no forward, takes
+        its snapshot too).
         """
-        sk = sreq.kv
-        if prefill:
-            length = end - start
-            if length < self.chunk:
-                return
-            seqlen = start + length // self.chunk * self.chunk
-            br = sreq.mamba_branching_seqlen
-            if br is not None and start < br < end and (br - start) % self.chunk == 0:
-                seqlen = br
-        else:
-            if end % self.dgrid:
-                return
-            seqlen = end
-        sk.mamba_last_track_idx = sk.mamba_next_track_idx
-        sk.mamba_next_track_idx = self.spool.get_mamba_ping_pong_other_idx(sk.mamba_next_track_idx)
-        sk.mamba_last_track_seqlen = seqlen
-        dst = sk.mamba_ping_pong_track_buffer[sk.mamba_last_track_idx].reshape(1)
-        self.spool.mamba_pool.copy_from(sk.mamba_pool_idx.reshape(1), dst)
+        if self.sg.track_like_scheduler(sreq, self.spool, start, end, prefill=prefill, chunk=self.chunk,
+                                        decode_grid=self.dgrid):
+            sk = sreq.kv
+            dst = sk.mamba_ping_pong_track_buffer[sk.mamba_last_track_idx].reshape(1)
+            self.spool.mamba_pool.copy_from(sk.mamba_pool_idx.reshape(1), dst)
 
     def s_snapshot(self, sreq) -> None:
         pass  # the snapshot is written at tracking time (s_track), as SGLang's kernel does

@@ -25,7 +25,7 @@ import kvcore
 from kvcore import InvariantChecker
 from kvcore.keys import RadixKey
 from kvcore.record import Req
-from tools.differential import Clock, Harness
+from tools.differential import Clock, Harness, our_free_pages, sglang_free_pages
 from tools.sglang_loader import default_src, load_sglang
 
 SRC = default_src()
@@ -42,18 +42,6 @@ def sg():
 @pytest.fixture
 def clock(sg, monkeypatch):
     return Clock().install(monkeypatch, sg.radix_cache)
-
-
-def sg_free_list(a):
-    assert a.release_pages.numel() == 0
-    return a.free_pages.tolist()
-
-
-def our_free_list(a):
-    pages = a.free_slots()
-    if a.page_size > 1:
-        pages = pages.reshape(-1, a.page_size)[:, 0] // a.page_size
-    return pages.tolist()
 
 
 def dump_tree(root, ours: bool):
@@ -115,7 +103,7 @@ class RadixPair(Harness):
         self.eq(f"{where}: protected_size", o.protected_size(), s.protected_size())
         self.eq(f"{where}: total_size", o.total_size(), s.total_size())
         self.eq(f"{where}: available_size", self.o_alloc.available_size(), self.s_alloc.available_size())
-        self.eq(f"{where}: free list", our_free_list(self.o_alloc), sg_free_list(self.s_alloc))
+        self.eq(f"{where}: free list", our_free_pages(self.o_alloc), sglang_free_pages(self.s_alloc))
         self.eq(f"{where}: free rows", self.o_rows.free_rows(), self.s_rows.free_slots)
         self.eq(f"{where}: tree", dump_tree(o.root_node, True), dump_tree(s.root_node, False))
 

@@ -34,7 +34,7 @@ import torch
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from kvcore.tree import iter_subtree
-from tools.differential import Clock, Harness, ids, lru_order, path_tokens, window_prompts
+from tools.differential import Clock, Harness, ids, load_or_skip, lru_order, path_tokens, window_prompts
 from tools.sglang_swa_shim import default_src, load_sglang_swa
 
 SRC = default_src()
@@ -43,10 +43,7 @@ pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (se
 
 @pytest.fixture(scope="module")
 def sg():
-    try:
-        return load_sglang_swa(SRC)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_swa, SRC, "sliding-window caches")
 
 
 class Diff(Harness):
@@ -230,12 +227,9 @@ class Diff(Harness):
         self.compare(f"admit {rid}")
 
     def _free_window(self, req: Req, sreq, pre_len: int) -> None:
-        chunk = self.kind == "chunk"
         self.ours.free_window_slots([req], [pre_len])
-        self.sg.free_swa_out_of_window_slots(
-            sreq, pre_len, sliding_window_size=self.W, page_size=self.ps,
-            req_to_token_pool=self.srtp, token_to_kv_pool_allocator=self.sa,
-            is_chunk_cache=chunk, retain_floor=self.theirs.swa_retain_floor(sreq))
+        self.sg.free_out_of_window(self.theirs, sreq, pre_len, window=self.W, page_size=self.ps,
+                                   chunk=self.kind == "chunk")
 
     def step(self, idx: int) -> None:
         req, sreq, plan = self.live[idx]
@@ -596,10 +590,7 @@ class PureDiff(Harness):
         sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
 
     def _free_window(self, sreq, pre_len: int) -> None:
-        self.sg.free_swa_out_of_window_slots(
-            sreq, pre_len, sliding_window_size=self.W, page_size=1, req_to_token_pool=self.srtp,
-            token_to_kv_pool_allocator=self.sa, is_chunk_cache=self.kind == "chunk",
-            retain_floor=self.theirs.swa_retain_floor(sreq))
+        self.sg.free_out_of_window(self.theirs, sreq, pre_len, window=self.W, page_size=1, chunk=self.kind == "chunk")
 
     def admit(self, prompt: list[int], extra, chunk: int, max_out: int, floor: bool) -> None:
         self.clock.tick()

@@ -26,7 +26,7 @@ import torch
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from kvcore.tree import iter_subtree
-from tools.differential import Harness, ids, lru_order, path_tokens, window_prompts
+from tools.differential import Harness, ids, load_or_skip, lru_order, path_tokens, window_prompts
 from tools.sglang_unified_shim import default_src, load_sglang_unified
 
 SRC = default_src()
@@ -35,10 +35,7 @@ pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (se
 
 @pytest.fixture(scope="module")
 def sg():
-    try:
-        return load_sglang_unified(SRC)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang's UnifiedRadixCache from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_unified, SRC, "UnifiedRadixCache")
 
 
 class UnifiedHarness(Harness):
@@ -196,9 +193,7 @@ class Diff(UnifiedHarness):
 
     def _free_window(self, req, sreq, pre_len: int) -> None:
         self.ours.free_window_slots([req], [pre_len])
-        self.sg.free_swa_out_of_window_slots(
-            sreq, pre_len, sliding_window_size=self.W, page_size=self.ps, req_to_token_pool=self.srtp,
-            token_to_kv_pool_allocator=self.sa, is_chunk_cache=False, retain_floor=self.theirs.swa_retain_floor(sreq))
+        self.sg.free_out_of_window(self.theirs, sreq, pre_len, window=self.W, page_size=self.ps, chunk=False)
 
     def step(self, idx: int) -> None:
         req, sreq, plan = self.live[idx]
@@ -384,10 +379,7 @@ def test_unified_full_swa_matches_sglang(sg, ps, W, size, swa):
 
 @pytest.fixture(scope="module")
 def sgm():
-    try:
-        return load_sglang_unified(SRC, mamba=True)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang's UnifiedRadixCache with Mamba from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_unified, SRC, "UnifiedRadixCache with Mamba", mamba=True)
 
 
 class MambaDiff(UnifiedHarness):
@@ -785,22 +777,8 @@ class MambaReqDiffPaged(MambaReqDiff):
         return True
 
     def s_track(self, sreq, start: int, end: int, prefill: bool) -> None:
-        sk = sreq.kv
-        if prefill:
-            length = end - start
-            if length < self.chunk:
-                return
-            seqlen = start + length // self.chunk * self.chunk
-            br = sreq.mamba_branching_seqlen
-            if br is not None and start < br < end and (br - start) % self.chunk == 0:
-                seqlen = br
-        else:
-            if end % self.dgrid:
-                return
-            seqlen = end
-        sk.mamba_last_track_idx = sk.mamba_next_track_idx
-        sk.mamba_next_track_idx = self.spool.get_mamba_ping_pong_other_idx(sk.mamba_next_track_idx)
-        sk.mamba_last_track_seqlen = seqlen
+        self.sg.track_like_scheduler(sreq, self.spool, start, end, prefill=prefill, chunk=self.chunk,
+                                     decode_grid=self.dgrid)
 
     def step(self, i: int) -> None:
         req, sreq = self.live[i]
