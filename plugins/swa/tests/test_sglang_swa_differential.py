@@ -36,6 +36,7 @@ from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from kvcore.tree import iter_subtree
 from tools.differential import Clock, Harness, ids, load_or_skip, lru_order, path_tokens, window_prompts
 from tools.sglang_swa_shim import default_src, load_sglang_swa
+from tools.window_differential import WindowHarness
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
@@ -46,17 +47,15 @@ def sg():
     return load_or_skip(load_sglang_swa, SRC, "sliding-window caches")
 
 
-class Diff(Harness):
-    """SGLang's SWARadixCache / SWAChunkCache and kvcore-swa's, one scenario on both."""
+class Diff(WindowHarness):
+    """SGLang's SWARadixCache / SWAChunkCache and kvcore-swa's, one scenario on both (tools/window_differential)."""
 
     def __init__(self, sg, *, kind: str, page_size: int, window: int, size: int, swa_size: int,
                  num_reqs: int = 6, max_context_len: int = 256, seed: int = 0, check_lru: bool = True,
                  evict_floor: bool = False):
-        super().__init__(sg, seed=seed, pair_size=size + page_size + 1)
+        super().__init__(sg, seed=seed, page_size=page_size, window=window, size=size, evict_floor=evict_floor)
         self.kind = kind
-        self.ps = page_size
-        self.W = window
-        self.size = size
+        self.tree, self.chunk = kind == "tree", kind == "chunk"
         self.check_lru = check_lru
         name = "swa" if kind == "tree" else "swa-chunk"
         self.ours = create_cache(name, size=size, swa_size=swa_size, sliding_window_size=window,
@@ -67,17 +66,9 @@ class Diff(Harness):
         make = sg.make_radix_cache if kind == "tree" else sg.make_chunk_cache
         self.theirs = make(self.sa, self.srtp, page_size, window)
         self.checker = InvariantChecker(self.ours)
-        self.live: list[tuple[Req, object, dict]] = []  # (ours, theirs, plan)
-        self.held: list[tuple[object, object, object, object]] = []  # (our node, lock, their node, uuid)
-        self.rid = 0
         self.sglang_undercounts = 0
-        self.sglang_window_leaks = 0  # window slots SGLang leaked under a floor (asserted exactly, then repaired)
-        self.evict_floor = evict_floor
 
     # ------------------------------------------------------------------ helpers
-
-    def skey(self, ids, extra):
-        return self.sg.RadixKey(list(ids), extra)
 
     def opath(self, node):
         return None if node is None else path_tokens(node, self.ours.root_node)
@@ -110,16 +101,7 @@ class Diff(Harness):
         # (SGLang's ChunkCache has no full_/swa_ protected sizes: BasePrefixCache's default 0, as ours.)
         for name in ("full_evictable_size", "swa_evictable_size", "full_protected_size", "swa_protected_size"):
             self.eq(f"{what}: {name}", getattr(o, name)(), getattr(t, name)())
-        # Which full slots still own a window slot.
-        om = self.oa.full_to_swa_index_mapping
-        live_full = (om > 0).nonzero().flatten()
-        ours_live = sorted(self.mapped(live_full))
-        sm = self.sa.full_to_swa_index_mapping[:-1]
-        theirs_live = sorted((sm > 0).nonzero().flatten().tolist())
-        if ours_live != theirs_live:
-            self.fail(f"{what}: full slots with a window slot differ: ours-only="
-                      f"{sorted(set(ours_live) - set(theirs_live))} "
-                      f"sglang-only={sorted(set(theirs_live) - set(ours_live))}")
+        self.eq_window_mapping(what)
         if self.kind == "tree":
             self.eq_rows(f"{what}: trees", self._canon_ours(), self._canon_theirs())
             if self.check_lru:
@@ -141,10 +123,6 @@ class Diff(Harness):
 
     # ------------------------------------------------------------------ allocation
 
-    def _pages(self, start: int, end: int) -> int:
-        ps = self.ps
-        return -(-end // ps) - (-(-start // ps))
-
     def ensure(self, need: int) -> bool:
         """SGLang's evict_from_tree_cache on both sides; True if ``need`` slots are then free."""
         if self.kind == "tree":
@@ -153,226 +131,14 @@ class Diff(Harness):
             if fa < need or sa < need:
                 n, sn = max(0, need - fa), max(0, need - sa)
                 self.log.append(f"evict-for-alloc({n}, {sn})")
-                r = self._their_evict(n, sn)
+                r = self.their_evict(n, sn)
                 mine = self.ours.evict(max(0, need - ofa), max(0, need - osa))
                 self.eq("evict-for-alloc result", (mine.num_tokens_evicted, mine.swa_num_tokens_evicted), r)
         ok_t = self.sa.available_size() >= need
         self.eq("can allocate", self.oa.available_size() >= need, ok_t)
         return ok_t
 
-    def alloc(self, req: Req, sreq, end: int, decode: bool = False) -> bool:
-        ok, sk = req.kv, sreq.kv
-        start = ok.kv_allocated_len
-        n = end - start
-        ps = self.ps
-        if not self.ensure(self._pages(start, end) * ps if ps > 1 else n):
-            return False
-        orow = self.ours.req_to_token_pool.req_to_token[ok.req_pool_idx]
-        srow = self.srtp.req_to_token[sk.req_pool_idx]
-        if ps == 1:
-            o = self.oa.alloc(n)
-            s = self.sa.alloc(n)
-        elif decode:
-            olast = int(orow[start - 1]) if start else -1
-            slast = int(srow[start - 1]) if start else -1
-            o = self.oa.alloc_decode([end], [end], [olast])
-            s = self.sa.alloc_decode(torch.tensor([end]), torch.tensor([end]), torch.tensor([slast]))
-        else:
-            olast = int(orow[start - 1]) if start else -1
-            slast = int(srow[start - 1]) if start else -1
-            o = self.oa.alloc_extend([start], [start], [end], [end], [olast], n)
-            T = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-            s = self.sa.alloc_extend(T(start), T(start), T(end), T(end), T(slast), n)
-        if o is None or s is None:
-            self.fail(f"allocation of {n} failed: ours={o is not None} sglang={s is not None}")
-        self.pair_slots(o, s)
-        orow[start:end] = o.to(torch.int32)
-        srow[start:end] = s.to(torch.int32)
-        ok.kv_allocated_len = ok.kv_committed_len = end
-        sk.kv_allocated_len = sk.kv_committed_len = end
-        return True
-
-    # ------------------------------------------------------------------ request operations
-
-    def admit(self, prompt: list[int], extra, chunk: int, max_out: int) -> None:
-        self.rid += 1
-        rid = f"r{self.rid}"
-        req = Req(rid, prompt, extra_key=extra)
-        sreq = self.sg.SGReq(rid, prompt, extra_key=extra)
-        key = prompt[: len(prompt) - 1]
-        self.log.append(f"admit {rid} len={len(prompt)} extra={extra} chunk={chunk} prompt={prompt}")
-        m = self.ours.match_prefix(RadixKey(key, extra))
-        sm = self.theirs.match_prefix(self.sg.MatchPrefixParams(key=self.skey(key, extra)))
-        self._cmp_match(f"admit {rid}: match", m, sm)
-        n = int(m.device_indices.numel())
-        req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
-        sreq.prefix_indices, sreq.last_node = sm.device_indices, sm.last_device_node
-        req.kv.cache_protected_len = sreq.kv.cache_protected_len = n
-        req.lock = self.ours.inc_lock_ref(req.last_node)
-        sres = self.theirs.inc_lock_ref(sreq.last_node)
-        sreq.swa_uuid_for_lock = getattr(sres, "swa_uuid_for_lock", None)
-        self._cmp_lock(f"admit {rid}: lock", req.last_node, req.lock, sreq.last_node, sreq.swa_uuid_for_lock)
-        assert self.ours.req_to_token_pool.alloc([req]) is not None
-        assert self.srtp.alloc([sreq]) is not None
-        if n:
-            self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n] = m.device_indices.to(torch.int32)
-            self.srtp.req_to_token[sreq.kv.req_pool_idx, :n] = sm.device_indices.to(torch.int32)
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = n
-        sreq.kv.kv_committed_len = sreq.kv.kv_allocated_len = n
-        if self.evict_floor and self.rng.random() < 0.5:
-            floor = self.rng.randrange(0, len(prompt) + 1)
-            req.kv.swa_evict_floor = sreq.kv.swa_evict_floor = floor
-            self.log.append(f"  {rid}.swa_evict_floor={floor}")
-        self.live.append((req, sreq, {"chunk": chunk, "max_out": max_out, "decoded": 0}))
-        self.compare(f"admit {rid}")
-
-    def _free_window(self, req: Req, sreq, pre_len: int) -> None:
-        self.ours.free_window_slots([req], [pre_len])
-        self.sg.free_out_of_window(self.theirs, sreq, pre_len, window=self.W, page_size=self.ps,
-                                   chunk=self.kind == "chunk")
-
-    def step(self, idx: int) -> None:
-        req, sreq, plan = self.live[idx]
-        total = len(req.origin_input_ids)
-        kv = req.kv
-        if kv.kv_allocated_len < total:
-            start = kv.kv_allocated_len
-            end = min(total, start + plan["chunk"])
-            self.log.append(f"prefill {req.rid} [{start}, {end})")
-            if not self.alloc(req, sreq, end):
-                self.finish(idx, True, why="no memory for prefill")
-                return
-            if self.kind == "chunk":
-                self._free_window(req, sreq, start)
-            # Between chunks (chunked=True) and, as SGLang's scheduler does, once the
-            # prompt is done, so requests arriving during decode can share it.
-            if True:
-                kvcore.cache_unfinished_req(req, self.ours, chunked=end < total)
-                self.theirs.cache_unfinished_req(sreq, chunked=end < total)
-                if self.kind == "tree":
-                    self.eq(f"{req.rid} prefix_indices", self.mapped(req.prefix_indices),
-                            sreq.prefix_indices.tolist())
-            self.compare(f"prefill {req.rid}")
-            return
-        if plan["decoded"] >= plan["max_out"]:
-            self.finish(idx, self.rng.random() < 0.9)
-            return
-        tok = self.rng.randrange(4)
-        req.output_ids.append(tok)
-        sreq.output_ids.append(tok)
-        self.log.append(f"decode {req.rid} tok={tok} seqlen={req.seqlen}")
-        if not self.alloc(req, sreq, kv.kv_allocated_len + 1, decode=True):
-            req.output_ids.pop()
-            sreq.output_ids.pop()
-            self.finish(idx, True, why="no memory for decode")
-            return
-        plan["decoded"] += 1
-        self._free_window(req, sreq, req.seqlen - 1)
-        self.compare(f"decode {req.rid}")
-        if (self.kind == "tree" and plan["decoded"] >= self.W and not plan.get("swa_released")
-                and sreq.swa_uuid_for_lock is not None and self.rng.random() < 0.3):
-            self.log.append(f"dec_swa_lock_only {req.rid}")
-            self.ours.dec_swa_lock_only(req.last_node, req.lock)
-            self.theirs.dec_swa_lock_only(sreq.last_node, sreq.swa_uuid_for_lock)
-            sreq.swa_prefix_lock_released = True
-            plan["swa_released"] = True
-            self.compare(f"dec_swa_lock_only {req.rid}")
-
-    def finish(self, idx: int, is_insert: bool, why: str = "") -> None:
-        req, sreq, _ = self.live.pop(idx)
-        self.log.append(f"finish {req.rid} is_insert={is_insert} {why}")
-        committed = sreq.kv.kv_committed_len
-        if req.kv.kv_allocated_len == 0:
-            # Never got KV (admitted with no prefix, then no memory): give back the lock and the row.
-            self.ours.dec_lock_ref(req.last_node, req.lock)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(swa_uuid_for_lock=sreq.swa_uuid_for_lock))
-            self.ours.req_to_token_pool.free(req)
-            self.srtp.free(sreq)
-            self.compare(f"abort {req.rid}")
-            return
-        # Known SGLang difference (DESIGN.md, "Window side"): the window slots of
-        # [protected, swa_dead_lo) that a floor kept are still mapped when the cursor
-        # jumped over them, and SGLang's finish frees only their full side: they leak.
-        sk = sreq.kv
-        hi = min(sk.swa_dead_lo(self.ps), sk.swa_evicted_seqlen, sk.kv_allocated_len)
-        leak_full = self.srtp.req_to_token[sk.req_pool_idx, sk.cache_protected_len:max(hi, sk.cache_protected_len)]
-        leak_full = leak_full.to(torch.int64)
-        leak_swa = self.sa.full_to_swa_index_mapping[leak_full]
-        leak_full, leak_swa = leak_full[leak_swa > 0], leak_swa[leak_swa > 0]
-        kvcore.release_kv_cache(req, self.ours, is_insert=is_insert)
-        # SGLang's release_kv_cache, less the mamba / speculative branches.
-        self.theirs.cache_finished_req(sreq, is_insert=is_insert, kv_len_to_handle=committed)
-        start, end = committed, sreq.kv.kv_allocated_len
-        if self.ps > 1:
-            start = -(-start // self.ps) * self.ps
-        if start < end:
-            self.theirs.free_kv_row(sreq.kv, [(start, end)])
-        self.srtp.free(sreq)
-        sreq.kv.mark_kv_released()
-        if leak_swa.numel():
-            ps = self.ps
-            pages = torch.unique(leak_swa // ps)  # the row may not reach a leaked page's end
-            self.eq(f"finish {req.rid}: window slots SGLang leaks under the floor",
-                    self.oa.swa_available_size() - self.sa.swa_available_size(), int(pages.numel()) * ps)
-            # Give them back on SGLang's side so that the run goes on comparing everything else.
-            self.sa.swa_attn_allocator.free(pages * ps)
-            full_pages = torch.unique(leak_full // ps)
-            self.sa.full_to_swa_index_mapping[(full_pages[:, None] * ps + torch.arange(ps)).flatten()] = 0
-            self.sglang_window_leaks += int(pages.numel()) * ps
-        self.compare(f"finish {req.rid}")
-
-    # ------------------------------------------------------------------ tree probes
-
-    def _cmp_match(self, what, m, sm) -> None:
-        self.eq(f"{what} length", int(m.device_indices.numel()), int(sm.device_indices.numel()))
-        self.eq(f"{what} slots", self.mapped(m.device_indices), sm.device_indices.tolist())
-        if self.kind == "tree":
-            self.eq(f"{what} last node", self.opath(m.last_device_node), self.spath(sm.last_device_node))
-
-    def _stop_path(self, node, uuid, root, path_of):
-        if uuid is None:
-            return None
-        x = node
-        while x is not root:
-            if x.swa_uuid == uuid:
-                return path_of(x)
-            x = x.parent
-        return "not on path"
-
-    def _cmp_lock(self, what, onode, lock, snode, uuid) -> None:
-        if self.kind != "tree":
-            return
-        a = self._stop_path(onode, lock.stop, self.ours.root_node, self.opath)
-        b = self._stop_path(snode, uuid, self.theirs.root_node, self.spath)
-        self.eq(f"{what}: window lock stop", a, b)
-
-    def probe_match(self, key, extra, hold: bool) -> None:
-        self.log.append(f"match {key} extra={extra} hold={hold}")
-        m = self.ours.match_prefix(RadixKey(key, extra))
-        sm = self.theirs.match_prefix(self.sg.MatchPrefixParams(key=self.skey(key, extra)))
-        self._cmp_match("match", m, sm)
-        if hold and self.kind == "tree" and m.last_device_node is not self.ours.root_node:
-            lock = self.ours.inc_lock_ref(m.last_device_node)
-            res = self.theirs.inc_lock_ref(sm.last_device_node)
-            self._cmp_lock("hold lock", m.last_device_node, lock, sm.last_device_node, res.swa_uuid_for_lock)
-            self.held.append((m.last_device_node, lock, sm.last_device_node, res.swa_uuid_for_lock))
-        self.compare("match")
-
-    def release_held(self, i: int) -> None:
-        node, lock, snode, uuid = self.held.pop(i)
-        self.log.append(f"dec_lock_ref {self.opath(node)}")
-        self.ours.dec_lock_ref(node, lock)
-        self.theirs.dec_lock_ref(snode, self.sg.DecLockRefParams(swa_uuid_for_lock=uuid))
-        self.compare("dec_lock_ref")
-
-    def evict(self, n: int, sn: int) -> None:
-        self.log.append(f"evict({n}, {sn})")
-        r = self.ours.evict(n, sn)
-        s = self._their_evict(n, sn)
-        self.eq("evict result", (r.num_tokens_evicted, r.swa_num_tokens_evicted), s)
-        self.compare("evict")
-
-    def _their_evict(self, n: int, sn: int) -> tuple[int, int]:
+    def their_evict(self, n: int, sn: int) -> tuple[int, int]:
         """SGLang's evict; its full count corrected to the full pool's gain.
 
         Known difference: SGLang's window phase deletes the tombstone leaves a deleted
@@ -387,70 +153,6 @@ class Diff(Harness):
             assert s.num_tokens_evicted < gain, (s, gain)
             self.sglang_undercounts += 1
         return gain, s.swa_num_tokens_evicted
-
-    def insert(self, key, extra, sev_pages: int) -> None:
-        ps = self.ps
-        n = len(key) // ps * ps
-        if n == 0 or not self.ensure(n):
-            return
-        sev = min(sev_pages * ps, n)
-        self.log.append(f"insert {key} extra={extra} swa_evicted_seqlen={sev}")
-        o = self.oa.alloc(n) if ps == 1 else self.oa.alloc_extend([0], [0], [n], [n], [-1], n)
-        T = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-        s = self.sa.alloc(n) if ps == 1 else self.sa.alloc_extend(T(0), T(0), T(n), T(n), T(-1), n)
-        self.pair_slots(o, s)
-        # SGLang's insert expects the caller to have freed the window slots below the cursor.
-        if sev:
-            self.sa.free_swa(s[:sev])
-        r = self.ours.insert(RadixKey(key, extra), o, 0, sev)
-        sr = self.theirs.insert(self.sg.InsertParams(key=self.skey(key, extra), value=s, prev_prefix_len=0,
-                                                     swa_evicted_seqlen=sev))
-        self.eq("insert prefix_len", r.prefix_len, sr.prefix_len)
-        self.compare("insert")
-
-    # ------------------------------------------------------------------ the random driver
-
-    def operation(self, prompts: list[list[int]]) -> None:
-        rng = self.rng
-        ps = self.ps
-        tree = self.kind == "tree"
-        r = rng.random()
-        if r < 0.18 and len(self.live) < 5:
-            base = rng.choice(prompts)
-            cut = rng.randrange(1, len(base) + 1)
-            prompt = base[:cut] + [rng.randrange(8) for _ in range(rng.randrange(0, 3 * ps + 6))]
-            if len(prompt) < 2:
-                prompt = prompt + [0, 1]
-            extra = "x" if rng.random() < 0.1 else None
-            chunk = rng.choice([1, 3, ps, 2 * ps + 1, self.W, 1000])
-            self.admit(prompt, extra, chunk, rng.randrange(0, 3 * self.W + 3))
-        elif r < 0.62 and self.live:
-            self.step(rng.randrange(len(self.live)))
-        elif r < 0.68 and self.live:
-            self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
-        elif r < 0.78:
-            base = rng.choice(prompts)
-            key = base[: rng.randrange(0, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 3))]
-            self.probe_match(key, "x" if rng.random() < 0.1 else None, hold=tree and rng.random() < 0.4)
-        elif r < 0.84 and self.held:
-            self.release_held(rng.randrange(len(self.held)))
-        elif r < 0.92:
-            self.evict(rng.choice([0, 1, ps, 3 * ps, 40]), rng.choice([0, 0, 1, ps, 2 * self.W, 40]))
-        elif tree:
-            base = rng.choice(prompts)
-            head = base[: rng.randrange(1, len(base) + 1)]
-            key = head + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
-            n = len(key) // ps
-            self.insert(key, None, rng.choice([0, 0, rng.randrange(0, n + 1)]) if n else 0)
-
-    def drain(self) -> None:
-        """Finish everything, give back held locks, evict everything."""
-        while self.live:
-            self.finish(0, True)
-        while self.held:
-            self.release_held(0)
-        self.evict(self.size, self.size)
-        self.eq("drained full pool", self.oa.full_available_size(), self.size)
 
 
 TREE_CONFIGS = [

@@ -28,6 +28,7 @@ from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from kvcore.tree import iter_subtree
 from tools.differential import Harness, ids, load_or_skip, lru_order, path_tokens, window_prompts
 from tools.sglang_unified_shim import default_src, load_sglang_unified
+from tools.window_differential import WindowHarness
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
@@ -46,6 +47,9 @@ class UnifiedHarness(Harness):
     def snode(self, node_id):
         return None if node_id is None else self.core.node_by_id(node_id)
 
+    def their_node(self, node_id):
+        return self.snode(node_id)
+
     def opath(self, node) -> tuple | None:
         return None if node is None else (None,) + path_tokens(node, self.ours.root_node)
 
@@ -62,13 +66,12 @@ class UnifiedHarness(Harness):
         self.eq(f"{what}: evictable leaves by recency", ol, tl)
 
 
-class Diff(UnifiedHarness):
+class Diff(UnifiedHarness, WindowHarness):
+    """(full, swa): the request lifecycle of tools/window_differential on SGLang's UnifiedRadixCache and ours."""
+
     def __init__(self, sg, *, page_size: int, window: int, size: int, swa_size: int, num_reqs: int = 6,
                  max_context_len: int = 256, seed: int = 0):
-        super().__init__(sg, seed=seed, pair_size=size + page_size + 1)
-        self.ps = page_size
-        self.W = window
-        self.size = size
+        WindowHarness.__init__(self, sg, seed=seed, page_size=page_size, window=window, size=size)
         self.ours = create_cache("unified", components=("full", "swa"), size=size, swa_size=swa_size,
                                  sliding_window_size=window, page_size=page_size, max_num_reqs=num_reqs,
                                  max_context_len=max_context_len)
@@ -79,9 +82,12 @@ class Diff(UnifiedHarness):
         self.core = self.theirs.tree_core
         self.CT = sg.ComponentType
         self.checker = InvariantChecker(self.ours)
-        self.live: list = []
-        self.held: list = []
-        self.rid = 0
+
+    def their_root(self):
+        return self.core.root_node
+
+    def their_uuid(self, node):
+        return node.component_data[self.CT.SWA].metadata.get("uuid")
 
     # ------------------------------------------------------------------ state comparison
     def _canon_ours(self):
@@ -104,11 +110,7 @@ class Diff(UnifiedHarness):
         self.eq(f"{what}: sizes", (o.full_evictable_size(), o.full_protected_size(), o.swa_evictable_size(),
                                    o.swa_protected_size()),
                 (t.full_evictable_size(), t.full_protected_size(), t.swa_evictable_size(), t.swa_protected_size()))
-        live_full = (self.oa.full_to_swa_index_mapping > 0).nonzero().flatten()
-        ours_live = sorted(self.mapped(live_full))
-        sm = self.sa.full_to_swa_index_mapping[:-1]
-        theirs_live = sorted((sm > 0).nonzero().flatten().tolist())
-        self.eq(f"{what}: full slots with a window slot", ours_live, theirs_live)
+        self.eq_window_mapping(what)
         self.eq_rows(f"{what}: trees", self._canon_ours(), self._canon_theirs())
         self.eq(f"{what}: window LRU order", [self.opath(n) for n in o.by_name["swa"].lru], self.their_lru(CT.SWA))
         self.eq_leaves(what)
@@ -122,234 +124,6 @@ class Diff(UnifiedHarness):
         fn = max(0, n - self.oa.full_available_size())
         self.evict(fn, sn)
         return self.oa.full_available_size() >= n and self.oa.swa_available_size() >= n
-
-    def alloc(self, req: Req, sreq, end: int) -> bool:
-        ok, sk = req.kv, sreq.kv
-        start = ok.kv_allocated_len
-        n = end - start
-        if n <= 0:
-            return True
-        if not self.ensure(n):
-            return False
-        o = self.oa.alloc(n)
-        s = self.sa.alloc(n)
-        if (o is None) != (s is None):
-            self.fail(f"allocation of {n}: ours={o is not None} sglang={s is not None}")
-        if o is None:
-            return False
-        self.pair_slots(o, s)
-        self.ours.req_to_token_pool.req_to_token[ok.req_pool_idx, start:end] = o.to(torch.int32)
-        self.srtp.req_to_token[sk.req_pool_idx, start:end] = s.to(torch.int32)
-        ok.kv_allocated_len = ok.kv_committed_len = end
-        sk.kv_allocated_len = sk.kv_committed_len = end
-        return True
-
-    # ------------------------------------------------------------------ operations
-    def _lock_stop(self, onode, lock, snode, res) -> None:
-        a = b = None
-        if lock.stop is not None:
-            x = onode
-            while x is not self.ours.root_node and x.swa_uuid != lock.stop:
-                x = x.parent
-            a = self.opath(x)
-        uuid = res.swa_uuid_for_lock
-        if uuid is not None:
-            x = snode
-            while x is not self.core.root_node and x.component_data[self.CT.SWA].metadata.get("uuid") != uuid:
-                x = x.parent
-            b = self.spath(x)
-        self.eq("window lock stop", a, b)
-
-    def admit(self, prompt, extra, chunk, max_out) -> None:
-        sg = self.sg
-        self.rid += 1
-        rid = f"r{self.rid}"
-        req = Req(rid, prompt, extra_key=extra)
-        sreq = sg.SGReq(rid, prompt, extra_key=extra)
-        key = prompt[: len(prompt) - 1]
-        self.log.append(f"admit {rid} len={len(prompt)} extra={extra} chunk={chunk} prompt={prompt}")
-        m = self.ours.match_prefix(RadixKey(key, extra))
-        sm = self.theirs.match_prefix(sg.MatchPrefixParams(key=sg.RadixKey(list(key), extra)))
-        self._cmp_match(f"admit {rid}", m, sm)
-        n = int(m.device_indices.numel())
-        req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
-        sreq.prefix_indices, sreq.last_node = sm.device_indices, sm.last_device_node
-        req.kv.cache_protected_len = sreq.kv.cache_protected_len = n
-        req.lock = self.ours.inc_lock_ref(req.last_node)
-        res = self.theirs.inc_lock_ref(sreq.last_node)
-        sreq.swa_uuid_for_lock = res.swa_uuid_for_lock
-        sreq.skip_lock_node_ids = res.skip_lock_node_ids
-        if req.last_node is not self.ours.root_node:
-            self._lock_stop(req.last_node, req.lock, self.snode(sreq.last_node), res)
-        assert self.ours.req_to_token_pool.alloc([req]) is not None
-        assert self.srtp.alloc([sreq]) is not None
-        if n:
-            self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n] = m.device_indices.to(torch.int32)
-            self.srtp.req_to_token[sreq.kv.req_pool_idx, :n] = sm.device_indices.to(torch.int32)
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = n
-        sreq.kv.kv_committed_len = sreq.kv.kv_allocated_len = n
-        self.live.append((req, sreq, {"chunk": chunk, "max_out": max_out, "decoded": 0}))
-        self.compare(f"admit {rid}")
-
-    def _free_window(self, req, sreq, pre_len: int) -> None:
-        self.ours.free_window_slots([req], [pre_len])
-        self.sg.free_out_of_window(self.theirs, sreq, pre_len, window=self.W, page_size=self.ps, chunk=False)
-
-    def step(self, idx: int) -> None:
-        req, sreq, plan = self.live[idx]
-        total = len(req.origin_input_ids)
-        kv = req.kv
-        if kv.kv_allocated_len < total:
-            start = kv.kv_allocated_len
-            end = min(total, start + plan["chunk"])
-            self.log.append(f"prefill {req.rid} [{start}, {end})")
-            if not self.alloc(req, sreq, end):
-                self.finish(idx, True, why="no memory for prefill")
-                return
-            kvcore.cache_unfinished_req(req, self.ours, chunked=end < total)
-            self.theirs.cache_unfinished_req(sreq, chunked=end < total)
-            self.eq(f"{req.rid} prefix_indices", self.mapped(req.prefix_indices), sreq.prefix_indices.tolist())
-            self.eq(f"{req.rid} cache_protected_len", req.kv.cache_protected_len, sreq.kv.cache_protected_len)
-            self.compare(f"prefill {req.rid}")
-            return
-        if plan["decoded"] >= plan["max_out"]:
-            self.finish(idx, self.rng.random() < 0.9)
-            return
-        tok = self.rng.randrange(4)
-        req.output_ids.append(tok)
-        sreq.output_ids.append(tok)
-        self.log.append(f"decode {req.rid} tok={tok} seqlen={req.seqlen}")
-        if not self.alloc(req, sreq, kv.kv_allocated_len + 1):
-            req.output_ids.pop()
-            sreq.output_ids.pop()
-            self.finish(idx, True, why="no memory for decode")
-            return
-        plan["decoded"] += 1
-        self._free_window(req, sreq, req.seqlen - 1)
-        self.compare(f"decode {req.rid}")
-        if (plan["decoded"] >= self.W and not plan.get("swa_released") and sreq.swa_uuid_for_lock is not None
-                and self.rng.random() < 0.3):
-            self.log.append(f"dec_swa_lock_only {req.rid}")
-            self.ours.dec_swa_lock_only(req.last_node, req.lock)
-            self.theirs.dec_swa_lock_only(sreq.last_node, sreq.swa_uuid_for_lock, sreq.skip_lock_node_ids)
-            sreq.swa_prefix_lock_released = True
-            plan["swa_released"] = True
-            self.compare(f"dec_swa_lock_only {req.rid}")
-
-    def finish(self, idx: int, is_insert: bool, why: str = "") -> None:
-        req, sreq, _ = self.live.pop(idx)
-        self.log.append(f"finish {req.rid} is_insert={is_insert} {why}")
-        committed = sreq.kv.kv_committed_len
-        if req.kv.kv_allocated_len == 0:
-            self.ours.dec_lock_ref(req.last_node, req.lock)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
-            self.ours.req_to_token_pool.free(req)
-            self.srtp.free(sreq)
-            self.compare(f"abort {req.rid}")
-            return
-        kvcore.release_kv_cache(req, self.ours, is_insert=is_insert)
-        self.theirs.cache_finished_req(sreq, is_insert=is_insert, kv_len_to_handle=committed)
-        start, end = committed, sreq.kv.kv_allocated_len
-        if self.ps > 1:
-            start = -(-start // self.ps) * self.ps
-        if start < end:
-            self.theirs.free_kv_row(sreq.kv, [(start, end)])
-        self.srtp.free(sreq)
-        sreq.kv.mark_kv_released()
-        self.compare(f"finish {req.rid}")
-
-    def _cmp_match(self, what, m, sm) -> None:
-        self.eq(f"{what} length", int(m.device_indices.numel()), int(sm.device_indices.numel()))
-        self.eq(f"{what} slots", self.mapped(m.device_indices), sm.device_indices.tolist())
-        self.eq(f"{what} last node", self.opath(m.last_device_node), self.spath(self.snode(sm.last_device_node)))
-
-    def probe_match(self, key, extra, hold: bool) -> None:
-        sg = self.sg
-        self.log.append(f"match {key} extra={extra} hold={hold}")
-        m = self.ours.match_prefix(RadixKey(key, extra))
-        sm = self.theirs.match_prefix(sg.MatchPrefixParams(key=sg.RadixKey(list(key), extra)))
-        self._cmp_match("match", m, sm)
-        if hold and m.last_device_node is not self.ours.root_node:
-            lock = self.ours.inc_lock_ref(m.last_device_node)
-            res = self.theirs.inc_lock_ref(sm.last_device_node)
-            self._lock_stop(m.last_device_node, lock, self.snode(sm.last_device_node), res)
-            self.held.append((m.last_device_node, lock, sm.last_device_node, res))
-        self.compare("match")
-
-    def release_held(self, i: int) -> None:
-        node, lock, snode, res = self.held.pop(i)
-        self.log.append(f"dec_lock_ref {self.opath(node)}")
-        self.ours.dec_lock_ref(node, lock)
-        self.theirs.dec_lock_ref(snode, self.sg.DecLockRefParams(
-            swa_uuid_for_lock=res.swa_uuid_for_lock, skip_lock_node_ids=res.skip_lock_node_ids))
-        self.compare("dec_lock_ref")
-
-    def evict(self, n: int, sn: int) -> None:
-        self.log.append(f"evict({n}, {sn})")
-        r = self.ours.evict(n, sn)
-        s = self.theirs.evict(self.sg.EvictParams(num_tokens=n, swa_num_tokens=sn))
-        self.eq("evict result", (r.num_tokens_evicted, r.swa_num_tokens_evicted),
-                (s.num_tokens_evicted, s.swa_num_tokens_evicted))
-        self.compare("evict")
-
-    def insert(self, key, sev_pages: int) -> None:
-        ps = self.ps
-        n = len(key) // ps * ps
-        if n == 0 or not self.ensure(n):
-            return
-        sev = min(sev_pages * ps, n)
-        self.log.append(f"insert {key} swa_evicted_seqlen={sev}")
-        o = self.oa.alloc(n)
-        s = self.sa.alloc(n)
-        self.pair_slots(o, s)
-        if sev:
-            self.sa.free_swa(s[:sev])
-        r = self.ours.insert(RadixKey(key), o, 0, sev)
-        sr = self.theirs.insert(self.sg.InsertParams(key=self.sg.RadixKey(list(key)), value=s, prev_prefix_len=0,
-                                                     swa_evicted_seqlen=sev))
-        self.eq("insert prefix_len", r.prefix_len, sr.prefix_len)
-        self.compare("insert")
-
-    def operation(self, prompts) -> None:
-        rng = self.rng
-        ps = self.ps
-        r = rng.random()
-        if r < 0.18 and len(self.live) < 5:
-            base = rng.choice(prompts)
-            cut = rng.randrange(1, len(base) + 1)
-            prompt = base[:cut] + [rng.randrange(8) for _ in range(rng.randrange(0, 3 * ps + 6))]
-            if len(prompt) < 2:
-                prompt = prompt + [0, 1]
-            extra = "x" if rng.random() < 0.1 else None
-            chunk = rng.choice([1, 3, ps, 2 * ps + 1, self.W, 1000])
-            self.admit(prompt, extra, chunk, rng.randrange(0, 3 * self.W + 3))
-        elif r < 0.62 and self.live:
-            self.step(rng.randrange(len(self.live)))
-        elif r < 0.68 and self.live:
-            self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
-        elif r < 0.78:
-            base = rng.choice(prompts)
-            key = base[: rng.randrange(0, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 3))]
-            self.probe_match(key, "x" if rng.random() < 0.1 else None, hold=rng.random() < 0.4)
-        elif r < 0.84 and self.held:
-            self.release_held(rng.randrange(len(self.held)))
-        elif r < 0.92:
-            self.evict(rng.choice([0, 1, ps, 3 * ps, 40]), rng.choice([0, 0, 1, ps, 2 * self.W, 40]))
-        else:
-            base = rng.choice(prompts)
-            head = base[: rng.randrange(1, len(base) + 1)]
-            key = head + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
-            n = len(key) // ps
-            self.insert(key, rng.choice([0, 0, rng.randrange(0, n + 1)]) if n else 0)
-
-    def drain(self) -> None:
-        while self.live:
-            self.finish(0, True)
-        while self.held:
-            self.release_held(0)
-        self.evict(self.size, self.size)
-        self.eq("drained full pool", self.oa.full_available_size(), self.size)
 
 
 SEEDS = int(os.environ.get("KVCORE_DIFF_SEEDS", "4"))
