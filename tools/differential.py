@@ -27,8 +27,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvcore.tree import iter_subtree
+
 __all__ = ["Clock", "Harness", "Mismatch", "load_or_skip", "lru_order", "our_free_pages", "path_tokens",
-           "sglang_free_pages", "window_prompts"]
+           "sglang_free_pages", "tree_rows", "window_prompts"]
 
 
 class Mismatch(AssertionError):
@@ -70,6 +72,11 @@ def path_tokens(node: Any, root: Any, key_tokens: Callable[[Any], Iterable[Any]]
         parts.append(ids(key_tokens(node.key)))
         node = node.parent
     return tuple(t for p in reversed(parts) for t in p)
+
+
+def tree_rows(root: Any, row: Callable[[Any], tuple]) -> list[tuple]:
+    """Every node below ``root`` as ``row(node)``, in one canonical order (a tree's picture to compare)."""
+    return sorted((row(n) for n in iter_subtree(root)), key=repr)
 
 
 def lru_order(head: Any, tail: Any, prev: Callable[[Any], Any]) -> Iterator[Any]:

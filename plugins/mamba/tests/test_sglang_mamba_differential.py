@@ -43,8 +43,15 @@ import torch
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
-from kvcore.tree import iter_subtree
-from tools.differential import Harness, load_or_skip, lru_order, our_free_pages, path_tokens, sglang_free_pages
+from tools.differential import (
+    Harness,
+    load_or_skip,
+    lru_order,
+    our_free_pages,
+    path_tokens,
+    sglang_free_pages,
+    tree_rows,
+)
 from tools.sglang_mamba_shim import default_src, load_sglang_mamba
 
 SRC = default_src()
@@ -99,9 +106,8 @@ class Pair(Harness):
         return None if v is None else [int(x) for x in v.reshape(-1).tolist()]
 
     def _canon(self, root, path_of, extra_of, lock_of) -> list:
-        out = [(extra_of(n), path_of(n), tuple(int(x) for x in n.value.tolist()), self._mv(n.mamba_value), lock_of(n),
-                n.mamba_lock_ref) for n in iter_subtree(root)]
-        return sorted(out, key=repr)
+        return tree_rows(root, lambda n: (extra_of(n), path_of(n), tuple(int(x) for x in n.value.tolist()),
+                                          self._mv(n.mamba_value), lock_of(n), n.mamba_lock_ref))
 
     def _lru_ours(self, lru) -> list:
         return [self.opath(n) for n in lru]

@@ -33,8 +33,7 @@ import torch
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
-from kvcore.tree import iter_subtree
-from tools.differential import Clock, Harness, ids, load_or_skip, lru_order, path_tokens, window_prompts
+from tools.differential import Clock, Harness, ids, load_or_skip, lru_order, path_tokens, tree_rows, window_prompts
 from tools.sglang_swa_shim import default_src, load_sglang_swa
 from tools.window_differential import WindowHarness
 
@@ -79,14 +78,12 @@ class Diff(WindowHarness):
     # ------------------------------------------------------------------ state comparison
 
     def _canon_ours(self):
-        out = [(n.extra_key, self.opath(n), n.tombstone, n.full_lock_ref, n.swa_lock_ref, tuple(self.mapped(n.value)))
-               for n in iter_subtree(self.ours.root_node)]
-        return sorted(out, key=repr)
+        return tree_rows(self.ours.root_node, lambda n: (n.extra_key, self.opath(n), n.tombstone, n.full_lock_ref,
+                                                         n.swa_lock_ref, tuple(self.mapped(n.value))))
 
     def _canon_theirs(self):
-        out = [(n.key.extra_key, self.spath(n), bool(n.swa_tombstone), n.full_lock_ref, n.swa_lock_ref, ids(n.value))
-               for n in iter_subtree(self.theirs.root_node)]
-        return sorted(out, key=repr)
+        return tree_rows(self.theirs.root_node, lambda n: (n.key.extra_key, self.spath(n), bool(n.swa_tombstone),
+                                                           n.full_lock_ref, n.swa_lock_ref, ids(n.value)))
 
     def _lru_ours(self, lru):
         return [(n.extra_key, self.opath(n)) for n in lru]
@@ -236,13 +233,12 @@ class PureDiff(Harness):
 
     def _tree_ours(self):
         root = self.ours.root_node
-        return sorted(((n.extra_key, path_tokens(n, root), n.lock_ref, tuple(self.mapped(n.value)))
-                       for n in iter_subtree(root)), key=repr)
+        return tree_rows(root, lambda n: (n.extra_key, path_tokens(n, root), n.lock_ref, tuple(self.mapped(n.value))))
 
     def _tree_theirs(self):
         root = self.theirs.root_node
-        return sorted(((n.key.extra_key, path_tokens(n, root, lambda k: k.token_ids), n.lock_ref, ids(n.value))
-                       for n in iter_subtree(root)), key=repr)
+        return tree_rows(root, lambda n: (n.key.extra_key, path_tokens(n, root, lambda k: k.token_ids), n.lock_ref,
+                                          ids(n.value)))
 
     def compare(self, what: str) -> None:
         o, t = self.ours, self.theirs

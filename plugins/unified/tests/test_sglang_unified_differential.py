@@ -26,7 +26,7 @@ import torch
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from kvcore.tree import iter_subtree
-from tools.differential import Harness, ids, load_or_skip, lru_order, path_tokens, window_prompts
+from tools.differential import Harness, ids, load_or_skip, lru_order, path_tokens, tree_rows, window_prompts
 from tools.sglang_unified_shim import default_src, load_sglang_unified
 from tools.window_differential import WindowHarness
 
@@ -55,6 +55,10 @@ class UnifiedHarness(Harness):
 
     def spath(self, node) -> tuple | None:
         return None if node is None else (None,) + path_tokens(node, self.core.root_node, lambda k: k.token_ids)
+
+    def their_data(self, node, component) -> tuple:
+        """A node of SGLang's tree core: its full component's data and ``component``'s."""
+        return node.component_data[self.CT.FULL], node.component_data[component]
 
     def their_lru(self, component) -> list:
         lru = self.core.lru_lists[component]
@@ -91,17 +95,15 @@ class Diff(UnifiedHarness, WindowHarness):
 
     # ------------------------------------------------------------------ state comparison
     def _canon_ours(self):
-        out = [(n.extra_key, self.opath(n), n.swa_value is None, n.lock_ref, n.swa_lock_ref,
-                tuple(self.mapped(n.value))) for n in iter_subtree(self.ours.root_node)]
-        return sorted(out, key=repr)
+        return tree_rows(self.ours.root_node, lambda n: (n.extra_key, self.opath(n), n.swa_value is None, n.lock_ref,
+                                                         n.swa_lock_ref, tuple(self.mapped(n.value))))
 
     def _canon_theirs(self):
-        CT = self.CT
-        out = []
-        for n in iter_subtree(self.core.root_node):
-            f, s = n.component_data[CT.FULL], n.component_data[CT.SWA]
-            out.append((n.key.extra_key, self.spath(n), s.value is None, f.lock_ref, s.lock_ref, ids(f.value)))
-        return sorted(out, key=repr)
+        def row(n):
+            f, s = self.their_data(n, self.CT.SWA)
+            return (n.key.extra_key, self.spath(n), s.value is None, f.lock_ref, s.lock_ref, ids(f.value))
+
+        return tree_rows(self.core.root_node, row)
 
     def compare(self, what: str) -> None:
         o, t, CT = self.ours, self.theirs, self.CT
@@ -181,20 +183,19 @@ class MambaDiff(UnifiedHarness):
         self.checker = InvariantChecker(self.ours)
 
     def _canon_ours(self):
-        out = []
-        for n in iter_subtree(self.ours.root_node):
+        def row(n):
             mv = None if n.mamba_value is None else int(self.mpair[int(n.mamba_value[0])])
-            out.append((n.extra_key, self.opath(n), n.lock_ref, n.mamba_lock_ref, mv, tuple(self.mapped(n.value))))
-        return sorted(out, key=repr)
+            return (n.extra_key, self.opath(n), n.lock_ref, n.mamba_lock_ref, mv, tuple(self.mapped(n.value)))
+
+        return tree_rows(self.ours.root_node, row)
 
     def _canon_theirs(self):
-        CT = self.CT
-        out = []
-        for n in iter_subtree(self.core.root_node):
-            f, m = n.component_data[CT.FULL], n.component_data[CT.MAMBA]
+        def row(n):
+            f, m = self.their_data(n, self.CT.MAMBA)
             mv = None if m.value is None else int(m.value.reshape(-1)[0])
-            out.append((n.key.extra_key, self.spath(n), f.lock_ref, m.lock_ref, mv, ids(f.value)))
-        return sorted(out, key=repr)
+            return (n.key.extra_key, self.spath(n), f.lock_ref, m.lock_ref, mv, ids(f.value))
+
+        return tree_rows(self.core.root_node, row)
 
     def compare(self, what: str) -> None:
         o, t, CT = self.ours, self.theirs, self.CT
