@@ -170,6 +170,40 @@ class Harness:
         """SGLang's slots for ours, through the pairing."""
         return self.pair[torch.as_tensor(slots).to(torch.int64)].tolist()
 
+    def place_slots(self, req: Any, sreq: Any, ours: torch.Tensor, theirs: torch.Tensor, start: int, end: int,
+                    their_rows: torch.Tensor) -> None:
+        """New slots for ``[start, end)`` of one request on both sides: paired, written into both rows, held."""
+        self.pair_slots(ours, theirs)
+        self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end] = ours.to(torch.int32)
+        their_rows[sreq.kv.req_pool_idx, start:end] = theirs.to(torch.int32)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
+
+    # ------------------------------------------------------------------ locks held by the test itself
+
+    def hold(self, node: Any, their_node: Any) -> tuple[Any, Any]:
+        """Lock a matched node on both sides and keep it in ``self.held``; (our lock, SGLang's lock result)."""
+        lock = self.ours.inc_lock_ref(node)
+        res = self.theirs.inc_lock_ref(their_node)
+        self.held.append((node, lock, their_node, res))
+        return lock, res
+
+    def dec_params(self, res: Any) -> Any:
+        """SGLang's ``DecLockRefParams`` that give back the lock ``res`` answered."""
+        return self.sg.DecLockRefParams(swa_uuid_for_lock=res.swa_uuid_for_lock,
+                                        skip_lock_node_ids=res.skip_lock_node_ids or {})
+
+    def release_held(self, i: int) -> None:
+        node, lock, their_node, res = self.held.pop(i)
+        self.log.append(f"dec_lock_ref {self.opath(node)}")
+        self.ours.dec_lock_ref(node, lock)
+        self.theirs.dec_lock_ref(their_node, self.dec_params(res))
+        self.compare("dec_lock_ref")
+
+    def opath(self, node: Any) -> Any:
+        """Our node's path, as the reports and canonical trees show it."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ the driver
 
     def compare(self, what: str) -> None:

@@ -27,7 +27,14 @@ import kvcore
 from kvcore import RadixKey, Req
 from tools.differential import Harness
 
-__all__ = ["WindowHarness"]
+__all__ = ["WindowHarness", "prefill_chunk"]
+
+
+def prefill_chunk(req: Req, plan: dict) -> tuple[int, int] | None:
+    """The next prefill chunk ``[start, end)`` of a request planned with ``plan["chunk"]``; None once it is in."""
+    total = len(req.origin_input_ids)
+    start = req.kv.kv_allocated_len
+    return (start, min(total, start + plan["chunk"])) if start < total else None
 
 
 class WindowHarness(Harness):
@@ -109,10 +116,6 @@ class WindowHarness(Harness):
     def their_root(self) -> Any:
         return self.theirs.root_node
 
-    def _dec_params(self, res: Any) -> Any:
-        return self.sg.DecLockRefParams(swa_uuid_for_lock=res.swa_uuid_for_lock,
-                                        skip_lock_node_ids=res.skip_lock_node_ids or {})
-
     # ------------------------------------------------------------------ allocation
 
     def _pages(self, start: int, end: int) -> int:
@@ -144,11 +147,7 @@ class WindowHarness(Harness):
             s = self.sa.alloc_extend(T(start), T(start), T(end), T(end), T(slast), n)
         if o is None or s is None:
             self.fail(f"allocation of {n} failed: ours={o is not None} sglang={s is not None}")
-        self.pair_slots(o, s)
-        orow[start:end] = o.to(torch.int32)
-        srow[start:end] = s.to(torch.int32)
-        ok.kv_allocated_len = ok.kv_committed_len = end
-        sk.kv_allocated_len = sk.kv_committed_len = end
+        self.place_slots(req, sreq, o, s, start, end, self.srtp.req_to_token)
         return True
 
     # ------------------------------------------------------------------ request operations
@@ -193,9 +192,9 @@ class WindowHarness(Harness):
         req, sreq, plan = self.live[idx]
         total = len(req.origin_input_ids)
         kv = req.kv
-        if kv.kv_allocated_len < total:
-            start = kv.kv_allocated_len
-            end = min(total, start + plan["chunk"])
+        chunk = prefill_chunk(req, plan)
+        if chunk is not None:
+            start, end = chunk
             self.log.append(f"prefill {req.rid} [{start}, {end})")
             if not self.alloc(req, sreq, end):
                 self.finish(idx, True, why="no memory for prefill")
@@ -242,8 +241,7 @@ class WindowHarness(Harness):
         if req.kv.kv_allocated_len == 0:
             # Never got KV (admitted with no prefix, then no memory): give back the lock and the row.
             self.ours.dec_lock_ref(req.last_node, req.lock)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
+            self.theirs.dec_lock_ref(sreq.last_node, self.dec_params(sreq))
             self.ours.req_to_token_pool.free(req)
             self.srtp.free(sreq)
             self.compare(f"abort {req.rid}")
@@ -288,18 +286,9 @@ class WindowHarness(Harness):
         sm = self.theirs.match_prefix(self.sg.MatchPrefixParams(key=self.sg.RadixKey(list(key), extra)))
         self._cmp_match("match", m, sm)
         if hold and self.tree and m.last_device_node is not self.ours.root_node:
-            lock = self.ours.inc_lock_ref(m.last_device_node)
-            res = self.theirs.inc_lock_ref(sm.last_device_node)
+            lock, res = self.hold(m.last_device_node, sm.last_device_node)
             self._cmp_lock("hold lock", m.last_device_node, lock, self.their_node(sm.last_device_node), res)
-            self.held.append((m.last_device_node, lock, sm.last_device_node, res))
         self.compare("match")
-
-    def release_held(self, i: int) -> None:
-        node, lock, snode, res = self.held.pop(i)
-        self.log.append(f"dec_lock_ref {self.opath(node)}")
-        self.ours.dec_lock_ref(node, lock)
-        self.theirs.dec_lock_ref(snode, self._dec_params(res))
-        self.compare("dec_lock_ref")
 
     def evict(self, n: int, sn: int) -> None:
         self.log.append(f"evict({n}, {sn})")

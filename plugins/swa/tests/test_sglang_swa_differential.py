@@ -35,7 +35,7 @@ import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
 from tools.differential import Clock, Harness, ids, load_or_skip, lru_order, path_tokens, tree_rows, window_prompts
 from tools.sglang_swa_shim import default_src, load_sglang_swa
-from tools.window_differential import WindowHarness
+from tools.window_differential import WindowHarness, prefill_chunk
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
@@ -318,9 +318,9 @@ class PureDiff(Harness):
         req, sreq, plan = self.live[idx]
         total = len(req.origin_input_ids)
         kv = req.kv
-        if kv.kv_allocated_len < total:
-            start = kv.kv_allocated_len
-            end = min(total, start + plan["chunk"])
+        chunk = prefill_chunk(req, plan)
+        if chunk is not None:
+            start, end = chunk
             self.log.append(f"prefill {req.rid} [{start}, {end})")
             if not self.ensure(end - start):
                 self.finish(idx, False, why="no memory for prefill")

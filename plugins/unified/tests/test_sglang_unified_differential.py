@@ -253,18 +253,8 @@ class MambaDiff(UnifiedHarness):
         self.eq("match last node", self.opath(m.last_device_node), self.spath(self.snode(sm.last_device_node)))
         self.eq("match branching", m.mamba_branching_seqlen, sm.mamba_branching_seqlen)
         if hold and m.last_device_node is not self.ours.root_node:
-            lock = self.ours.inc_lock_ref(m.last_device_node)
-            res = self.theirs.inc_lock_ref(sm.last_device_node)
-            self.held.append((m.last_device_node, lock, sm.last_device_node, res))
+            self.hold(m.last_device_node, sm.last_device_node)
         self.compare("match")
-
-    def release(self, i: int) -> None:
-        node, lock, snode, res = self.held.pop(i)
-        self.log.append(f"dec_lock_ref {self.opath(node)}")
-        self.ours.dec_lock_ref(node, lock)
-        self.theirs.dec_lock_ref(snode, self.sg.DecLockRefParams(
-            swa_uuid_for_lock=res.swa_uuid_for_lock, skip_lock_node_ids=res.skip_lock_node_ids))
-        self.compare("dec_lock_ref")
 
     def stems(self) -> list[list[int]]:
         rng, ps = self.rng, self.ps
@@ -285,13 +275,13 @@ class MambaDiff(UnifiedHarness):
         elif r < 0.65:
             self.match(key, extra, hold=rng.random() < 0.35)
         elif r < 0.8 and self.held:
-            self.release(rng.randrange(len(self.held)))
+            self.release_held(rng.randrange(len(self.held)))
         else:
             self.evict(rng.choice([0, 0, 1, ps, 3 * ps, 40]), rng.choice([0, 1, 2, 5]))
 
     def drain(self) -> None:
         while self.held:
-            self.release(0)
+            self.release_held(0)
         self.evict(self.size, 10**6)
         self.eq("drained", (self.oa.available_size(), self.ours.mamba_evictable_size()), (self.size, 0))
 
@@ -392,13 +382,8 @@ class MambaReqDiff(MambaDiff):
             return True
         if not self.room(end - start):
             return False
-        o = self.oa.alloc(end - start)
-        s = self.sa.alloc(end - start)
-        self.pair_slots(o, s)
-        self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end] = o.to(torch.int32)
-        self.spool.req_to_token[sreq.kv.req_pool_idx, start:end] = s.to(torch.int32)
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
+        self.place_slots(req, sreq, self.oa.alloc(end - start), self.sa.alloc(end - start), start, end,
+                         self.spool.req_to_token)
         return True
 
     def step(self, i: int) -> None:
@@ -430,8 +415,7 @@ class MambaReqDiff(MambaDiff):
         if req.kv.kv_allocated_len == 0:  # admitted with no prefix, never ran: the abort path
             self.ours.dec_lock_ref(req.last_node, req.lock)
             self.ours.req_to_token_pool.free(req)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
+            self.theirs.dec_lock_ref(sreq.last_node, self.dec_params(sreq))
             self.spool.mamba_allocator.free(sreq.kv.mamba_pool_idx.unsqueeze(-1))
             sreq.kv.mamba_pool_idx = None
             self.spool.free(sreq)
@@ -463,7 +447,7 @@ class MambaReqDiff(MambaDiff):
         elif r < 0.75:
             self.match(key, extra, hold=rng.random() < 0.3)
         elif r < 0.85 and self.held:
-            self.release(rng.randrange(len(self.held)))
+            self.release_held(rng.randrange(len(self.held)))
         elif r < 0.93:
             self.evict(rng.choice([0, 0, 1, 3, 40]), rng.choice([0, 1, 2]))
         else:
@@ -473,7 +457,7 @@ class MambaReqDiff(MambaDiff):
         while self.live:
             self.finish(0, True)
         while self.held:
-            self.release(0)
+            self.release_held(0)
         self.evict(self.size, 10**6)
         self.eq("drained", (self.oa.available_size(), self.ours.mamba_evictable_size()), (self.size, 0))
 
@@ -544,11 +528,7 @@ class MambaReqDiffPaged(MambaReqDiff):
             out.append(a.alloc_extend(t(start), t(start), t(end), t(end), t(last), end - start))
         o, s = out
         assert o is not None and s is not None
-        self.pair_slots(o, s)
-        self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end] = o.to(torch.int32)
-        self.spool.req_to_token[sreq.kv.req_pool_idx, start:end] = s.to(torch.int32)
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
+        self.place_slots(req, sreq, o, s, start, end, self.spool.req_to_token)
         return True
 
     def s_track(self, sreq, start: int, end: int, prefill: bool) -> None:
@@ -602,8 +582,7 @@ class MambaReqDiffPaged(MambaReqDiff):
             self.log.append(f"abort {req.rid}")
             self.ours.dec_lock_ref(req.last_node, req.lock)
             self.ours.req_to_token_pool.free(req)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
+            self.theirs.dec_lock_ref(sreq.last_node, self.dec_params(sreq))
             self.spool.free_mamba_cache(sreq)
             self.spool.free(sreq)
             self.compare(f"abort {req.rid}")
