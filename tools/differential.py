@@ -10,10 +10,15 @@ built, its operations (each compares what it answered, and the state after it), 
   :meth:`Harness.compare` after each), then ``drain``; an error on either side comes back
   as a :class:`Mismatch` with the same report;
 * the slot pairing made at allocation time (our slot -> SGLang's), so that two allocators'
-  free-list orders need not agree (:meth:`Harness.pair_slots`, :meth:`Harness.mapped`);
-* comparison helpers: :meth:`Harness.eq`, :meth:`Harness.eq_rows` (canonical trees, reported
-  as ours-only / sglang-only rows), :func:`path_tokens`, :func:`lru_order`, and the
-  deterministic :class:`Clock` both sides read.
+  free-list orders need not agree (:meth:`Harness.pair_slots`, :meth:`Harness.mapped`,
+  :meth:`Harness.place_slots`), and the locks the test holds itself (:meth:`Harness.hold`,
+  :meth:`Harness.release_held`);
+* comparison helpers: :meth:`Harness.eq`, :meth:`Harness.eq_rows` with :func:`tree_rows`
+  (canonical trees, reported as ours-only / sglang-only rows), :func:`path_tokens`,
+  :func:`lru_order`, the free-list readers, and the deterministic :class:`Clock` both sides read.
+
+The sliding-window request lifecycle both window harnesses drive is
+:mod:`tools.window_differential`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from kvcore.tree import iter_subtree
 
-__all__ = ["Clock", "Harness", "Mismatch", "load_or_skip", "lru_order", "our_free_pages", "path_tokens",
+__all__ = ["Clock", "Harness", "Mismatch", "ids", "load_or_skip", "lru_order", "our_free_pages", "path_tokens",
            "sglang_free_pages", "tree_rows", "window_prompts"]
 
 
@@ -38,6 +43,7 @@ class Mismatch(AssertionError):
 
 
 def ids(tokens: Iterable[Any]) -> tuple[int, ...]:
+    """Token ids (or slots) as a tuple of ints, for a canonical row."""
     return tuple(int(t) for t in tokens)
 
 

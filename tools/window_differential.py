@@ -56,9 +56,6 @@ class WindowHarness(Harness):
 
     # ------------------------------------------------------------------ what a subclass says
 
-    def opath(self, node: Any) -> Any:
-        raise NotImplementedError
-
     def spath(self, node: Any) -> Any:
         raise NotImplementedError
 
