@@ -28,7 +28,7 @@ full one unless told otherwise; its insert frees the duplicates itself.
 
 Peers.  SGLang's ``RadixCache`` is imported from ``--sglang-src`` when given;
 modules it needs that are missing here (metrics, kernels, KV-event transport)
-are replaced by stubs from ``tools/sglang_shim.py``; the radix tree code itself
+are replaced by stubs from ``tools/sglang_loader.py``; the radix tree code itself
 is SGLang's own (simulated mode: fake slot values).  The Rust tree core is the
 compiled extension from SGLang 0.5.23's wheel (``tools/sglang_rust_shim.py``:
 ``--rust-core fetch`` runs ``pip download --no-deps sglang==0.5.23`` into the
@@ -168,7 +168,7 @@ def run_kvcore(backend: str, options: dict, trace, sources, page_size: int, poli
 def _stub_sglang(src: str) -> None:
     """Make ``sglang.srt.mem_cache.radix_cache`` importable without SGLang's heavy deps."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tools.sglang_shim import load_sglang
+    from tools.sglang_loader import load_sglang
 
     load_sglang(src)
 

@@ -108,7 +108,7 @@ def sglang_insert(sg, trace, ps: int, window: int, key_mode: str, spare: int = 0
     req_len = len(trace[0])
     need = _pages(req_len, ps) * ps
     size = (len(trace) + 1) * need + _pages(spare, ps) * ps
-    alloc = sg.make_allocator(size, size, ps)
+    alloc = sg.make_swa_allocator(size, size, ps)
     cache = sg.make_radix_cache(alloc, sg.make_req_to_token_pool(1, need), ps, window)
     T = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
     slots = []
@@ -203,7 +203,7 @@ def ours_finish(trace, ps: int, window: int, batch: int, pool_requests: int, rel
 def sglang_finish(sg, trace, ps: int, window: int, batch: int, pool_requests: int, release: bool):
     size = _pool_size(trace, ps, pool_requests, batch)
     req_len = len(trace[0])
-    alloc = sg.make_allocator(size, size, ps)
+    alloc = sg.make_swa_allocator(size, size, ps)
     rtp = sg.make_req_to_token_pool(batch, _pages(req_len, ps) * ps)
     cache = sg.make_radix_cache(alloc, rtp, ps, window)
     table = rtp.req_to_token

@@ -10,20 +10,15 @@ corrupts its free list.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.sglang_shim import default_src  # noqa: E402
+from kvcore import DecodeReqToTokenPool, InvariantChecker, ReqKvInfo
+from tools.sglang_loader import default_src
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
-
-from kvcore import DecodeReqToTokenPool, InvariantChecker, ReqKvInfo  # noqa: E402
 
 
 class _SgKv:

@@ -11,23 +11,18 @@ SGLang 0.5.19's source (``$KVCORE_SGLANG_SRC``); skipped otherwise.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.sglang_shim import default_src  # noqa: E402
+from kvcore import Req, ReqKvInfo, StreamingSession
+from kvcore.engine import Engine
+from kvcore.session import SessionSlot
+from tools.sglang_loader import default_src
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
-
-from kvcore import Req, ReqKvInfo, StreamingSession  # noqa: E402
-from kvcore.engine import Engine  # noqa: E402
-from kvcore.session import SessionSlot  # noqa: E402
 
 WIDTH = 64
 

@@ -5,28 +5,24 @@
     pool = Pool(size=4, max_context_len=8, device="cpu", enable_memory_saver=False, pre_alloc_size=2)
 
 ``decode.py`` imports the whole disaggregation stack (transfer engines, the
-scheduler); only the class is needed, so it is lifted from the file by AST (as
-``tools.sglang_shim`` lifts ``ReqToTokenPool``) into a namespace holding torch and
-a stub for the memory-saver adapter.  Nothing is copied into this repository.
+scheduler); only the class is needed, so :func:`tools.sglang_loader.lift` lifts it
+from the file (as the loader lifts ``ReqToTokenPool``) into a namespace holding
+torch and a stub for the memory-saver adapter.  Nothing is copied into this repository.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from tools.sglang_shim import Stub, _lift
+from tools.sglang_loader import Stub, lift, srt_path
 
 __all__ = ["load_decode_req_to_token_pool"]
 
 
 def load_decode_req_to_token_pool(src: str) -> type:
     """SGLang's ``DecodeReqToTokenPool`` class, executed from ``src``."""
-    path = os.path.join(src, "sglang", "srt", "disaggregation", "decode.py")
-    ns: dict[str, Any] = dict(
-        torch=torch, Any=Any, List=list, Optional=Optional, Req=Any,
-        TorchMemorySaverAdapter=Stub("TorchMemorySaverAdapter"), GPU_MEMORY_TYPE_KV_CACHE="kv_cache",
-    )
-    return _lift(path, ["DecodeReqToTokenPool"], ns)["DecodeReqToTokenPool"]
+    ns: dict[str, Any] = dict(torch=torch, TorchMemorySaverAdapter=Stub("TorchMemorySaverAdapter"),
+                              GPU_MEMORY_TYPE_KV_CACHE="kv_cache")
+    return lift(srt_path(src, "disaggregation", "decode.py"), ["DecodeReqToTokenPool"], ns)["DecodeReqToTokenPool"]

@@ -3,17 +3,19 @@
     from tools.sglang_unified_shim import load_sglang_unified
     sg = load_sglang_unified()                      # ImportError without a source tree
     alloc = sg.make_swa_allocator(size=256, size_swa=64, page_size=1)
-    cache = sg.make_cache(("full", "swa"), alloc, sg.make_req_to_token_pool(8, 512), page_size=1, window=8)
+    cache = sg.make_unified_cache(("full", "swa"), alloc, sg.make_req_to_token_pool(8, 512), page_size=1, window=8)
 
-Built on :mod:`tools.sglang_swa_shim` (the common loader, CPU allocator kernels, SGLang's
-``ReqKvInfo``) and, for Mamba, :mod:`tools.sglang_mamba_shim`.  On top of them this only:
+Built on :mod:`tools.sglang_swa_shim` and, with ``mamba=True``, :mod:`tools.sglang_mamba_shim`.
+On top of them this only:
 
 * executes ``mem_cache/unified_radix_cache.py`` and ``mem_cache/unified_cache/**`` from
   SGLang's source as real modules (HiCache, storage, metrics and sessions stay stubs);
 * gives ``msgspec`` (not a kvcore dependency) a dataclass-backed ``Struct`` when the real
   package is missing: the unified tree only uses it for plain records;
 * makes the stubbed ``StreamingSession`` answer "not a session node" (None), and the
-  tree-core backend env var read "python" (SGLang's default).
+  tree-core backend env var read "python" (SGLang's default);
+* answers the Mamba component's server-args lookups with the chunk size the caller picks
+  and no per-path state cap.
 
 Nothing of SGLang is copied into this repository; the source tree is read at run time.
 """
@@ -24,14 +26,17 @@ import dataclasses
 import importlib
 import importlib.util
 import math
-import os
 import sys
 import types
 from typing import Any
 
+from tools.sglang_loader import Stub, default_src
+from tools.sglang_mamba_shim import load_sglang_mamba
+from tools.sglang_swa_shim import load_sglang_swa
+
 __all__ = ["load_sglang_unified", "default_src"]
 
-_UNIFIED = [
+REAL = (
     "sglang.srt.mem_cache.unified_radix_cache",
     "sglang.srt.mem_cache.unified_cache",
     "sglang.srt.mem_cache.unified_cache.cache_action",
@@ -45,26 +50,7 @@ _UNIFIED = [
     "sglang.srt.mem_cache.unified_cache.components.full_component",
     "sglang.srt.mem_cache.unified_cache.components.swa_component",
     "sglang.srt.mem_cache.unified_cache.components.mamba_component",
-]
-
-
-def _load_tool(name: str):
-    try:
-        return importlib.import_module(f"tools.{name}")
-    except ImportError:
-        if f"_kvcore_{name}" in sys.modules:  # the copy the other shims loaded
-            return sys.modules[f"_kvcore_{name}"]
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-        spec = importlib.util.spec_from_file_location(f"_kvcore_{name}", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-def default_src() -> str | None:
-    return _load_tool("sglang_shim").default_src()
+)
 
 
 def _msgspec_stand_in() -> types.ModuleType:
@@ -79,7 +65,8 @@ def _msgspec_stand_in() -> types.ModuleType:
                     setattr(cls, name, dataclasses.field(default_factory=lambda d=default: type(d)(d)))
             dataclasses.dataclass(cls, frozen=frozen, kw_only=kw_only, eq=False)
 
-    def field(*, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING, name=None):
+    def field(*, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
+              name: Any = None) -> Any:
         return dataclasses.field(default=default, default_factory=default_factory)
 
     mod.Struct = Struct  # type: ignore[attr-defined]
@@ -87,100 +74,71 @@ def _msgspec_stand_in() -> types.ModuleType:
     return mod
 
 
+class _NoSession:
+    """The stubbed session layer: every ``try_*`` answers "not a session request" (None)."""
+
+    def __init__(self, inner: Any = None, **kw: Any):
+        self.inner = inner
+        self.slots: dict = {}
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("__"):
+            raise AttributeError(item)
+        if item.startswith("try_"):
+            return lambda *a, **k: None
+        return Stub(f"session.{item}")
+
+
+class _Envs(Stub):
+    """The runtime env vars (stubs, falsy), but the tree-core backend reads SGLang's default."""
+
+    def __getattr__(self, item: str) -> Any:
+        if item == "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND":
+            return types.SimpleNamespace(get=lambda: "python")
+        return super().__getattr__(item)
+
+
 def load_sglang_unified(src: str | None = None, *, mamba: bool = False) -> types.SimpleNamespace:
-    common = _load_tool("sglang_shim")
-    for name in _UNIFIED:
-        common._REAL.add(name)
-    try:
-        import msgspec  # noqa: F401
-    except ImportError:
+    """The sliding-window (and with ``mamba``, Mamba) namespace plus SGLang's ``UnifiedRadixCache``."""
+    if "msgspec" not in sys.modules and importlib.util.find_spec("msgspec") is None:
         sys.modules["msgspec"] = _msgspec_stand_in()
-    if mamba:
-        base = _load_tool("sglang_mamba_shim").load_sglang_mamba(src)
-        swa = base.swa
-    else:
-        base = _load_tool("sglang_swa_shim").load_sglang_swa(src)
-        swa = base
+    base = load_sglang_mamba(src, real=REAL) if mamba else load_sglang_swa(src, real=REAL)
     imp = importlib.import_module
-    common = _load_tool("sglang_shim")
-    ss = imp("sglang.srt.session.streaming_session")
-
-    class NoSession:
-        def __init__(self, inner=None, **kw):
-            self.inner = inner
-            self.slots: dict = {}
-
-        def __getattr__(self, item):
-            if item.startswith("__"):
-                raise AttributeError(item)
-            if item.startswith("try_"):
-                return lambda *a, **k: None
-            return common.Stub(f"session.{item}")
-
-    ss.StreamingSession = NoSession
+    imp("sglang.srt.session.streaming_session").StreamingSession = _NoSession
     urc = imp("sglang.srt.mem_cache.unified_radix_cache")
-    urc.StreamingSession = NoSession
-    stub = common.Stub
-
-    class Envs(stub):
-        """The runtime env vars (stubs, falsy), but the tree-core backend reads SGLang's default."""
-
-        def __getattr__(self, item):
-            if item == "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND":
-                return types.SimpleNamespace(get=lambda: "python")
-            return super().__getattr__(item)
-
-    urc.envs = Envs("envs")
+    urc.StreamingSession = _NoSession
+    urc.envs = _Envs("envs")
     comps = imp("sglang.srt.mem_cache.unified_cache.components")
-    tc = imp("sglang.srt.mem_cache.unified_cache.components.tree_component")
-    core = imp("sglang.srt.mem_cache.unified_cache.unified_tree_core")
     CT = comps.ComponentType
     chunk = {"size": 64}
     mc = imp("sglang.srt.mem_cache.unified_cache.components.mamba_component")
-    # Server-args lookups (stubs here): the chunk size the caller picks, no per-path state cap.
     mc.mamba_cache_chunk_size = lambda: chunk["size"]
     mc.mamba_checkpoint_grid = lambda page: math.lcm(chunk["size"], page)
     mc.get_exec = lambda: types.SimpleNamespace(mamba=types.SimpleNamespace(mamba_max_states_per_path=-1))
     kinds = {"full": CT.FULL, "swa": CT.SWA, "mamba": CT.MAMBA}
-    sg = base.base if hasattr(base, "base") else base
 
-    def make_cache(components, alloc, rtp, page_size: int, window: int | None = None, chunk_size: int = 64,
-                   **extra):
+    def make_unified_cache(components: tuple[str, ...], alloc: Any, rtp: Any, page_size: int,
+                           window: int | None = None, chunk_size: int = 64, **extra: Any) -> Any:
         chunk["size"] = chunk_size
-        params = sg.CacheInitParams(
+        params = base.CacheInitParams(
             disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page_size,
             sliding_window_size=window, tree_components=tuple(kinds[c] for c in components), **extra)
         return urc.UnifiedRadixCache(params)
 
     ns = types.SimpleNamespace(**vars(base))
-    ns.update = None
     ns.unified_radix_cache = urc
     ns.UnifiedRadixCache = urc.UnifiedRadixCache
     ns.ComponentType = CT
-    ns.tree_component = tc
-    ns.tree_core = core
-    ns.make_cache = make_cache
-    ns.swa_shim = swa
-    for name in ("MatchPrefixParams", "InsertParams", "EvictParams", "DecLockRefParams", "RadixKey",
-                 "CacheInitParams"):
-        if not hasattr(ns, name):
-            setattr(ns, name, getattr(sg, name))
-    if mamba:
-        ns.make_swa_allocator = None
-    if not hasattr(ns, "make_swa_allocator") and hasattr(base, "make_allocator") and not mamba:
-        ns.make_swa_allocator = base.make_allocator
+    ns.tree_component = imp("sglang.srt.mem_cache.unified_cache.components.tree_component")
+    ns.tree_core = imp("sglang.srt.mem_cache.unified_cache.unified_tree_core")
+    ns.make_unified_cache = make_unified_cache
     return ns
 
 
-if __name__ == "__main__":  # pragma: no cover - smoke check
-    import torch
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+if __name__ == "__main__":  # pragma: no cover - smoke check: python -m tools.sglang_unified_shim [SRC]
     sg = load_sglang_unified(sys.argv[1] if len(sys.argv) > 1 else None)
     alloc = sg.make_swa_allocator(64, 32, 1)
-    c = sg.make_cache(("full", "swa"), alloc, sg.make_req_to_token_pool(4, 64), 1, window=4)
+    c = sg.make_unified_cache(("full", "swa"), alloc, sg.make_req_to_token_pool(4, 64), 1, window=4)
     v = alloc.alloc(6)
     print(c.insert(sg.InsertParams(key=sg.RadixKey([1, 2, 3, 4, 5, 6]), value=v)))
     print(c.match_prefix(sg.MatchPrefixParams(key=sg.RadixKey([1, 2, 3, 4, 5, 9]))).device_indices)
-    print(torch.__version__)

@@ -1,7 +1,7 @@
 """Differential runs against SGLang 0.5.19's own NPU allocator and RadixCache at page size 128, on the CPU.
 
 SGLang's ``NPUPagedTokenToKVPoolAllocator`` (``hardware_backend/npu/allocator_npu.py``) is
-loaded from its source over the shim of ``tools/sglang_shim.py``.  Below 200 new pages it
+loaded from its source over ``tools/sglang_loader.py``.  Below 200 new pages it
 calls ``sgl_kernel_npu``'s Triton kernel, which does not exist here: a stand-in runs
 SGLang's own ``alloc_extend_naive`` for it (the path SGLang takes above 200 pages, and the
 one kvcore-npu takes always).  Everything else — ``alloc_decode`` in torch, the host-side
@@ -19,19 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvcore_npu import NPUPagedTokenToKVPoolAllocator
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-
-from tools.sglang_shim import default_src, load_sglang  # noqa: E402
+import kvcore
+from kvcore import InvariantChecker, RadixKey, Req
+from tools.differential import Clock, Harness
+from tools.sglang_loader import default_src, load_sglang
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
-
-from kvcore_npu import NPUPagedTokenToKVPoolAllocator  # noqa: E402
-
-import kvcore  # noqa: E402
-from kvcore import InvariantChecker, RadixKey, Req  # noqa: E402
 
 PAGE = 128
 
@@ -132,125 +128,87 @@ def test_npu_allocator_against_sglang(sg):
             assert s.available_size() == o.available_size(), where
 
 
-class Clock:
-    """One time per operation for both sides (SGLang's readings inside one operation differ by < 1e-3)."""
+class NPURadixRun(Harness):
+    """Backend ``npu`` and SGLang's RadixCache on its NPU allocator at page 128, compared after every operation."""
 
-    def __init__(self):
-        self.t = 1000.0
-        self.k = 0
+    compare_after_op = True
 
-    def tick(self):
-        self.t += 1.0
-        self.k = 0
+    def __init__(self, sg, clock, seed):
+        super().__init__(sg, seed=f"npu-{seed}")
+        self.clock = clock
+        self.size, rows_n, self.ctx = 24 * PAGE, 6, 8 * PAGE
+        self.s_alloc = sg_alloc(sg, self.size)
+        self.s_rows = sg.ReqToTokenPool(size=rows_n, max_context_len=self.ctx, device="cpu", enable_memory_saver=False)
+        self.s = sg.RadixCache(sg.CacheInitParams(disable=False, req_to_token_pool=self.s_rows,
+                                                  token_to_kv_pool_allocator=self.s_alloc, page_size=PAGE,
+                                                  eviction_policy="lru"))
+        self.o = kvcore.create_cache("npu", size=self.size, max_num_reqs=rows_n, max_context_len=self.ctx)
+        self.o.clock = clock
+        self.o_alloc, self.o_rows = self.o.token_to_kv_pool_allocator, self.o.req_to_token_pool
+        self.bases = [[self.rng.randrange(4) for _ in range(2 * PAGE + 40)] for _ in range(3)]
+        self.live: list[tuple[object, Req]] = []
 
-    def __call__(self):
-        return self.t
+    def compare(self, where):
+        s, o = self.s, self.o
+        self.eq(f"{where}: evictable_size", o.evictable_size(), s.evictable_size())
+        self.eq(f"{where}: protected_size", o.protected_size(), s.protected_size())
+        self.eq(f"{where}: available_size", self.o_alloc.available_size(), self.s_alloc.available_size())
+        free_o = self.o_alloc.free_slots().reshape(-1, PAGE)[:, 0] // PAGE
+        self.eq(f"{where}: free pages", free_o.tolist(), self.s_alloc.free_pages.tolist())
+        self.eq(f"{where}: free rows", self.o_rows.free_rows(), self.s_rows.free_slots)
+        InvariantChecker(o).check([orq for _, orq in self.live])
 
-    def sglang(self):
-        self.k += 1
-        return self.t + self.k * 1e-6
+    def evict(self, n):
+        self.clock.tick()
+        self.eq(f"evict({n})", self.o.evict(n).num_tokens_evicted,
+                self.s.evict(self.sg.EvictParams(num_tokens=n)).num_tokens_evicted)
 
-
-class SgKv:
-    def __init__(self):
-        self.req_pool_idx = None
-        self.cache_protected_len = 0
-        self.kv_committed_len = 0
-        self.kv_allocated_len = 0
-
-    @property
-    def holds_kv(self):
-        return self.req_pool_idx is not None
-
-
-class SgReq:
-    def __init__(self, rid, ids):
-        self.rid = rid
-        self.origin_input_ids = list(ids)
-        self.output_ids: list[int] = []
-        self.extra_key = None
-        self.cache_salt = None
-        self.priority = 0
-        self.kv = SgKv()
-        self.last_node = None
-        self.prefix_indices = None
-
-    def get_fill_ids(self):
-        return self.origin_input_ids + self.output_ids
-
-
-def test_radix_on_npu_pools_against_sglang(sg, monkeypatch):
-    """Backend ``npu`` and SGLang's RadixCache on its NPU allocator, driven in lockstep at page 128."""
-    clock = Clock()
-    import time as _time
-
-    fake_time = types.SimpleNamespace(monotonic=clock.sglang, time=clock.sglang, perf_counter=_time.perf_counter)
-    monkeypatch.setattr(sg.radix_cache, "time", fake_time)
-    for seed in range(3):
-        _radix_run(sg, clock, seed)
-
-
-def _radix_run(sg, clock, seed):
-    rng = random.Random(f"npu-{seed}")
-    size, rows_n, ctx = 24 * PAGE, 6, 8 * PAGE
-    s_alloc = sg_alloc(sg, size)
-    s_rows = sg.ReqToTokenPool(size=rows_n, max_context_len=ctx, device="cpu", enable_memory_saver=False)
-    s = sg.RadixCache(sg.CacheInitParams(disable=False, req_to_token_pool=s_rows,
-                                         token_to_kv_pool_allocator=s_alloc, page_size=PAGE,
-                                         eviction_policy="lru"))
-    o = kvcore.create_cache("npu", size=size, max_num_reqs=rows_n, max_context_len=ctx)
-    o.clock = clock
-    o_alloc, o_rows = o.token_to_kv_pool_allocator, o.req_to_token_pool
-    bases = [[rng.randrange(4) for _ in range(2 * PAGE + 40)] for _ in range(3)]
-    live: list[tuple[SgReq, Req]] = []
-
-    def check(where):
-        assert s.evictable_size() == o.evictable_size(), where
-        assert s.protected_size() == o.protected_size(), where
-        assert s_alloc.available_size() == o_alloc.available_size(), where
-        free_o = o_alloc.free_slots().reshape(-1, PAGE)[:, 0] // PAGE
-        assert s_alloc.free_pages.tolist() == free_o.tolist(), where
-        assert s_rows.free_slots == o_rows.free_rows(), where
-
-    def evict(n):
-        clock.tick()
-        assert s.evict(sg.EvictParams(num_tokens=n)).num_tokens_evicted == o.evict(n).num_tokens_evicted
-
-    def extend(sr, orq, n):
+    def extend(self, sr, orq, n):
+        s_rows, o_rows = self.s_rows, self.o_rows
         pre = sr.kv.kv_committed_len
         last = [int(s_rows.req_to_token[sr.kv.req_pool_idx, pre - 1]) if pre else -1,
                 int(o_rows.req_to_token[orq.kv.req_pool_idx, pre - 1]) if pre else -1]
         for _ in range(2):
-            a_s = s_alloc.alloc_extend(T([pre]), T([pre]), T([pre + n]), T([pre + n]), T([last[0]]), n)
-            a_o = o_alloc.alloc_extend([pre], [pre], [pre + n], [pre + n], [last[1]], n)
-            assert (a_s is None) == (a_o is None)
+            a_s = self.s_alloc.alloc_extend(T([pre]), T([pre]), T([pre + n]), T([pre + n]), T([last[0]]), n)
+            a_o = self.o_alloc.alloc_extend([pre], [pre], [pre + n], [pre + n], [last[1]], n)
+            self.eq("extend refused", a_o is None, a_s is None)
             if a_o is not None:
                 break
-            evict(n + PAGE)
+            self.evict(n + PAGE)
         if a_o is None:
             return False
-        assert a_s.dtype == a_o.dtype == torch.int32 and a_s.tolist() == a_o.tolist()
+        self.eq("extend dtypes", (a_o.dtype, a_s.dtype), (torch.int32, torch.int32))
+        self.eq("extend slots", a_o.tolist(), a_s.tolist())
         s_rows.write((sr.kv.req_pool_idx, slice(pre, pre + n)), a_s)
         o_rows.write((orq.kv.req_pool_idx, slice(pre, pre + n)), a_o)
         for kv in (sr.kv, orq.kv):
             kv.kv_committed_len = kv.kv_allocated_len = pre + n
         return True
 
-    for step in range(60):
-        where = f"seed={seed} step={step}"
+    def finish(self, sr, orq):
+        self.clock.tick()
+        self.s.cache_finished_req(sr, is_insert=True, kv_len_to_handle=sr.kv.kv_committed_len)
+        self.o.cache_finished_req(orq, is_insert=True)
+        self.s_rows.free(sr)
+        self.o_rows.free(orq)
+
+    def operation(self):
+        sg, rng, s, o, live = self.sg, self.rng, self.s, self.o, self.live
+        s_rows, o_rows = self.s_rows, self.o_rows
+        step = self.op
         op = rng.random()
         if op < 0.4 and len(live) < 4:
-            base = rng.choice(bases)
+            base = rng.choice(self.bases)
             ids = base[: rng.randrange(1, len(base))] + [rng.randrange(4) for _ in range(rng.randrange(0, 200))]
-            sr, orq = SgReq(f"r{step}", ids), Req(f"r{step}", ids)
-            clock.tick()
+            sr, orq = sg.SGReq(f"r{step}", ids), Req(f"r{step}", ids)
+            self.clock.tick()
             sm = s.match_prefix(sg.MatchPrefixParams(key=sg.RadixKey(ids[:-1], None)))
             om = o.match_prefix(RadixKey(ids[:-1]))
-            assert sm.device_indices.tolist() == om.device_indices.tolist(), where
+            self.eq("match", om.device_indices.tolist(), sm.device_indices.tolist())
             if s_rows.alloc([sr]) is None:
-                assert o_rows.alloc([orq]) is None
-                continue
-            assert o_rows.alloc([orq]) == [sr.kv.req_pool_idx]
+                self.eq("row refused", o_rows.alloc([orq]), None)
+                return
+            self.eq("row", o_rows.alloc([orq]), [sr.kv.req_pool_idx])
             n = int(om.device_indices.numel())
             sr.last_node, orq.last_node = sm.last_device_node, om.last_device_node
             s.inc_lock_ref(sr.last_node)
@@ -259,7 +217,7 @@ def _radix_run(sg, clock, seed):
             o_rows.write((orq.kv.req_pool_idx, slice(0, n)), om.device_indices)
             for kv in (sr.kv, orq.kv):
                 kv.cache_protected_len = kv.kv_committed_len = kv.kv_allocated_len = n
-            if extend(sr, orq, len(ids) - n):
+            if self.extend(sr, orq, len(ids) - n):
                 live.append((sr, orq))
             else:
                 s_rows.free(sr)
@@ -268,15 +226,15 @@ def _radix_run(sg, clock, seed):
                 o.dec_lock_ref(orq.last_node, orq.lock)
         elif op < 0.6 and live:
             sr, orq = rng.choice(live)
-            if sr.kv.kv_committed_len < ctx - 1:
+            if sr.kv.kv_committed_len < self.ctx - 1:
                 pre = sr.kv.kv_committed_len
                 last_s = int(s_rows.req_to_token[sr.kv.req_pool_idx, pre - 1])
                 last_o = int(o_rows.req_to_token[orq.kv.req_pool_idx, pre - 1])
-                d_s = s_alloc.alloc_decode(T([pre + 1]), T([pre + 1]), T([last_s]))
-                d_o = o_alloc.alloc_decode([pre + 1], [pre + 1], [last_o])
-                assert (d_s is None) == (d_o is None), where
+                d_s = self.s_alloc.alloc_decode(T([pre + 1]), T([pre + 1]), T([last_s]))
+                d_o = self.o_alloc.alloc_decode([pre + 1], [pre + 1], [last_o])
+                self.eq("decode refused", d_o is None, d_s is None)
                 if d_o is not None:
-                    assert d_s.tolist() == d_o.tolist() and d_o.dtype == torch.int32, where
+                    self.eq("decode slot", (d_o.tolist(), d_o.dtype), (d_s.tolist(), torch.int32))
                     s_rows.write((sr.kv.req_pool_idx, slice(pre, pre + 1)), d_s)
                     o_rows.write((orq.kv.req_pool_idx, slice(pre, pre + 1)), d_o)
                     tok = rng.randrange(4)
@@ -286,32 +244,30 @@ def _radix_run(sg, clock, seed):
                         kv.kv_committed_len = kv.kv_allocated_len = pre + 1
         elif op < 0.7 and live:
             sr, orq = rng.choice(live)
-            clock.tick()
+            self.clock.tick()
             s.cache_unfinished_req(sr, chunked=False)
             o.cache_unfinished_req(orq, chunked=False)
-            assert sr.prefix_indices.tolist() == orq.prefix_indices.tolist(), where
+            self.eq("prefix_indices", orq.prefix_indices.tolist(), sr.prefix_indices.tolist())
         elif op < 0.92 and live:
-            sr, orq = live.pop(rng.randrange(len(live)))
-            clock.tick()
-            s.cache_finished_req(sr, is_insert=True, kv_len_to_handle=sr.kv.kv_committed_len)
-            o.cache_finished_req(orq, is_insert=True)
-            s_rows.free(sr)
-            o_rows.free(orq)
+            self.finish(*live.pop(rng.randrange(len(live))))
         else:
-            evict(rng.randrange(1, 3 * PAGE))
-        check(where)
-        InvariantChecker(o).check([orq for _, orq in live])
-    for sr, orq in live:
-        clock.tick()
-        s.cache_finished_req(sr, is_insert=True, kv_len_to_handle=sr.kv.kv_committed_len)
-        o.cache_finished_req(orq, is_insert=True)
-        s_rows.free(sr)
-        o_rows.free(orq)
-    check("all finished")
-    evict(10**6)
-    check("evict all")
-    assert o_alloc.available_size() == size
-    InvariantChecker(o).check([])
+            self.evict(rng.randrange(1, 3 * PAGE))
+
+    def drain(self):
+        for sr, orq in self.live:
+            self.finish(sr, orq)
+        self.live = []
+        self.compare("all finished")
+        self.evict(10**6)
+        self.compare("evict all")
+        self.eq("available_size after evicting all", self.o_alloc.available_size(), self.size)
+
+
+def test_radix_on_npu_pools_against_sglang(sg, monkeypatch):
+    """Backend ``npu`` and SGLang's RadixCache on its NPU allocator, driven in lockstep at page 128."""
+    clock = Clock().install(monkeypatch, sg.radix_cache)
+    for seed in range(3):
+        NPURadixRun(sg, clock, seed).run(60)
 
 
 def test_npu_allocator_large_extend_takes_sglang_naive_path(sg):

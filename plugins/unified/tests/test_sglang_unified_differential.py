@@ -9,7 +9,8 @@ slots still own a window slot, every component's evictable/protected sizes, the 
 tree (keys, slots, tombstones, lock counts), the window LRU order and the full
 component's evictable leaves in recency order.
 
-Slots are compared through a pairing made at allocation time (ours -> SGLang's).
+Slots are compared through a pairing made at allocation time (ours -> SGLang's); the harness
+base is ``tools/differential.py``.
 Skips without SGLang's source (``$KVCORE_SGLANG_SRC``).
 """
 
@@ -18,19 +19,16 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
 
 import pytest
 import torch
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tools.sglang_unified_shim import default_src, load_sglang_unified  # noqa: E402
+from kvcore.tree import iter_subtree
+from tools.differential import Harness, ids, load_or_skip, lru_order, path_tokens, tree_rows, window_prompts
+from tools.sglang_unified_shim import default_src, load_sglang_unified
+from tools.window_differential import WindowHarness
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
@@ -38,97 +36,74 @@ pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (se
 
 @pytest.fixture(scope="module")
 def sg():
-    try:
-        return load_sglang_unified(SRC)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang's UnifiedRadixCache from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_unified, SRC, "UnifiedRadixCache")
 
 
-class Mismatch(AssertionError):
-    pass
+class UnifiedHarness(Harness):
+    """What the (full, swa) and (full, mamba) harnesses share: SGLang's tree core, its node paths and lists."""
+
+    log_tail = 30
+
+    def snode(self, node_id):
+        return None if node_id is None else self.core.node_by_id(node_id)
+
+    def their_node(self, node_id):
+        return self.snode(node_id)
+
+    def opath(self, node) -> tuple | None:
+        return None if node is None else (None,) + path_tokens(node, self.ours.root_node)
+
+    def spath(self, node) -> tuple | None:
+        return None if node is None else (None,) + path_tokens(node, self.core.root_node, lambda k: k.token_ids)
+
+    def their_data(self, node, component) -> tuple:
+        """A node of SGLang's tree core: its full component's data and ``component``'s."""
+        return node.component_data[self.CT.FULL], node.component_data[component]
+
+    def their_lru(self, component) -> list:
+        lru = self.core.lru_lists[component]
+        return [self.spath(x) for x in lru_order(lru.head, lru.tail, lambda n: n.lru_prev[lru._pt])]
+
+    def eq_leaves(self, what: str) -> None:
+        ol = [self.opath(n) for n in sorted(self.ours.leaves, key=lambda n: n.last_access_time)]
+        tl = [self.spath(n) for n in sorted(self.core.evictable_device_leaves, key=lambda n: n.last_access_time)]
+        self.eq(f"{what}: evictable leaves by recency", ol, tl)
 
 
-def _tok(ids) -> tuple:
-    return tuple(int(t) for t in ids)
+class Diff(UnifiedHarness, WindowHarness):
+    """(full, swa): the request lifecycle of tools/window_differential on SGLang's UnifiedRadixCache and ours."""
 
-
-class Diff:
     def __init__(self, sg, *, page_size: int, window: int, size: int, swa_size: int, num_reqs: int = 6,
                  max_context_len: int = 256, seed: int = 0):
-        self.sg = sg
-        self.ps = page_size
-        self.W = window
-        self.size = size
-        self.rng = random.Random(seed)
-        self.log: list[str] = []
+        WindowHarness.__init__(self, sg, seed=seed, page_size=page_size, window=window, size=size)
         self.ours = create_cache("unified", components=("full", "swa"), size=size, swa_size=swa_size,
                                  sliding_window_size=window, page_size=page_size, max_num_reqs=num_reqs,
                                  max_context_len=max_context_len)
         self.oa = self.ours.token_to_kv_pool_allocator
         self.sa = sg.make_swa_allocator(size, swa_size, page_size)
         self.srtp = sg.make_req_to_token_pool(num_reqs, max_context_len)
-        self.theirs = sg.make_cache(("full", "swa"), self.sa, self.srtp, page_size, window=window)
+        self.theirs = sg.make_unified_cache(("full", "swa"), self.sa, self.srtp, page_size, window=window)
         self.core = self.theirs.tree_core
         self.CT = sg.ComponentType
-        self.pair = torch.full((size + page_size + 1,), -1, dtype=torch.int64)
         self.checker = InvariantChecker(self.ours)
-        self.live: list = []
-        self.held: list = []
-        self.rid = 0
 
-    # ------------------------------------------------------------------ helpers
-    def fail(self, what: str) -> None:
-        tail = "\n  ".join(self.log[-30:])
-        raise Mismatch(f"{what}\n  last ops:\n  {tail}")
+    def their_root(self):
+        return self.core.root_node
 
-    def eq(self, what: str, a, b) -> None:
-        if a != b:
-            self.fail(f"{what}: ours={a!r} sglang={b!r}")
-
-    def mapped(self, slots) -> list[int]:
-        return self.pair[torch.as_tensor(slots).to(torch.int64)].tolist()
-
-    def snode(self, node_id):
-        return None if node_id is None else self.core.node_by_id(node_id)
-
-    def opath(self, node) -> tuple | None:
-        if node is None:
-            return None
-        parts = []
-        root = self.ours.root_node
-        while node is not root:
-            parts.append(_tok(node.key))
-            node = node.parent
-        return (None,) + tuple(t for p in reversed(parts) for t in p)
-
-    def spath(self, node) -> tuple | None:
-        if node is None:
-            return None
-        parts = []
-        root = self.core.root_node
-        while node is not root:
-            parts.append(_tok(node.key.token_ids))
-            node = node.parent
-        return (None,) + tuple(t for p in reversed(parts) for t in p)
+    def their_uuid(self, node):
+        return node.component_data[self.CT.SWA].metadata.get("uuid")
 
     # ------------------------------------------------------------------ state comparison
     def _canon_ours(self):
-        out = []
-        for n in self.ours._nodes():
-            out.append((n.extra_key, self.opath(n), n.swa_value is None, n.lock_ref, n.swa_lock_ref,
-                        tuple(self.mapped(n.value))))
-        return sorted(out, key=repr)
+        return tree_rows(self.ours.root_node, lambda n: (n.extra_key, self.opath(n), n.swa_value is None, n.lock_ref,
+                                                         n.swa_lock_ref, tuple(self.mapped(n.value))))
 
     def _canon_theirs(self):
-        CT = self.CT
-        out = []
-        stack = list(self.core.root_node.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            f, s = n.component_data[CT.FULL], n.component_data[CT.SWA]
-            out.append((n.key.extra_key, self.spath(n), s.value is None, f.lock_ref, s.lock_ref, _tok(f.value)))
-        return sorted(out, key=repr)
+        def row(n):
+            f, s = self.their_data(n, self.CT.SWA)
+            return (n.key.extra_key, self.spath(n), s.value is None, f.lock_ref, s.lock_ref, ids(f.value))
+
+        return tree_rows(self.core.root_node, row)
 
     def compare(self, what: str) -> None:
         o, t, CT = self.ours, self.theirs, self.CT
@@ -137,27 +112,10 @@ class Diff:
         self.eq(f"{what}: sizes", (o.full_evictable_size(), o.full_protected_size(), o.swa_evictable_size(),
                                    o.swa_protected_size()),
                 (t.full_evictable_size(), t.full_protected_size(), t.swa_evictable_size(), t.swa_protected_size()))
-        live_full = (self.oa.full_to_swa_index_mapping > 0).nonzero().flatten()
-        ours_live = sorted(self.mapped(live_full))
-        sm = self.sa.full_to_swa_index_mapping[:-1]
-        theirs_live = sorted((sm > 0).nonzero().flatten().tolist())
-        self.eq(f"{what}: full slots with a window slot", ours_live, theirs_live)
-        co, ct = self._canon_ours(), self._canon_theirs()
-        if co != ct:
-            so, st = set(co), set(ct)
-            self.fail(f"{what}: trees differ:\n    ours-only={sorted(so - st, key=repr)}\n"
-                      f"    sglang-only={sorted(st - so, key=repr)}")
-        ours_lru = [self.opath(n) for n in o.by_name["swa"].lru]
-        lru = self.core.lru_lists[CT.SWA]
-        theirs_lru = []
-        x = lru.tail.lru_prev[lru._pt]
-        while x is not lru.head:
-            theirs_lru.append(self.spath(x))
-            x = x.lru_prev[lru._pt]
-        self.eq(f"{what}: window LRU order", ours_lru, theirs_lru)
-        ol = [self.opath(n) for n in sorted(o.leaves, key=lambda n: n.last_access_time)]
-        tl = [self.spath(n) for n in sorted(self.core.evictable_device_leaves, key=lambda n: n.last_access_time)]
-        self.eq(f"{what}: evictable leaves by recency", ol, tl)
+        self.eq_window_mapping(what)
+        self.eq_rows(f"{what}: trees", self._canon_ours(), self._canon_theirs())
+        self.eq(f"{what}: window LRU order", [self.opath(n) for n in o.by_name["swa"].lru], self.their_lru(CT.SWA))
+        self.eq_leaves(what)
         self.checker.check([r for r, _, _ in self.live])
 
     # ------------------------------------------------------------------ allocation
@@ -168,244 +126,6 @@ class Diff:
         fn = max(0, n - self.oa.full_available_size())
         self.evict(fn, sn)
         return self.oa.full_available_size() >= n and self.oa.swa_available_size() >= n
-
-    def alloc(self, req: Req, sreq, end: int) -> bool:
-        ok, sk = req.kv, sreq.kv
-        start = ok.kv_allocated_len
-        n = end - start
-        if n <= 0:
-            return True
-        if not self.ensure(n):
-            return False
-        o = self.oa.alloc(n)
-        s = self.sa.alloc(n)
-        if (o is None) != (s is None):
-            self.fail(f"allocation of {n}: ours={o is not None} sglang={s is not None}")
-        if o is None:
-            return False
-        self.pair[o.to(torch.int64)] = s.to(torch.int64)
-        self.ours.req_to_token_pool.req_to_token[ok.req_pool_idx, start:end] = o.to(torch.int32)
-        self.srtp.req_to_token[sk.req_pool_idx, start:end] = s.to(torch.int32)
-        ok.kv_allocated_len = ok.kv_committed_len = end
-        sk.kv_allocated_len = sk.kv_committed_len = end
-        return True
-
-    # ------------------------------------------------------------------ operations
-    def _lock_stop(self, onode, lock, snode, res) -> None:
-        a = b = None
-        if lock.stop is not None:
-            x = onode
-            while x is not self.ours.root_node and x.swa_uuid != lock.stop:
-                x = x.parent
-            a = self.opath(x)
-        uuid = res.swa_uuid_for_lock
-        if uuid is not None:
-            x = snode
-            while x is not self.core.root_node and x.component_data[self.CT.SWA].metadata.get("uuid") != uuid:
-                x = x.parent
-            b = self.spath(x)
-        self.eq("window lock stop", a, b)
-
-    def admit(self, prompt, extra, chunk, max_out) -> None:
-        sg = self.sg
-        self.rid += 1
-        rid = f"r{self.rid}"
-        req = Req(rid, prompt, extra_key=extra)
-        sreq = sg.SGReq(rid, prompt, extra_key=extra)
-        key = prompt[: len(prompt) - 1]
-        self.log.append(f"admit {rid} len={len(prompt)} extra={extra} chunk={chunk} prompt={prompt}")
-        m = self.ours.match_prefix(RadixKey(key, extra))
-        sm = self.theirs.match_prefix(sg.MatchPrefixParams(key=sg.RadixKey(list(key), extra)))
-        self._cmp_match(f"admit {rid}", m, sm)
-        n = int(m.device_indices.numel())
-        req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
-        sreq.prefix_indices, sreq.last_node = sm.device_indices, sm.last_device_node
-        req.kv.cache_protected_len = sreq.kv.cache_protected_len = n
-        req.lock = self.ours.inc_lock_ref(req.last_node)
-        res = self.theirs.inc_lock_ref(sreq.last_node)
-        sreq.swa_uuid_for_lock = res.swa_uuid_for_lock
-        sreq.skip_lock_node_ids = res.skip_lock_node_ids
-        if req.last_node is not self.ours.root_node:
-            self._lock_stop(req.last_node, req.lock, self.snode(sreq.last_node), res)
-        assert self.ours.req_to_token_pool.alloc([req]) is not None
-        assert self.srtp.alloc([sreq]) is not None
-        if n:
-            self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n] = m.device_indices.to(torch.int32)
-            self.srtp.req_to_token[sreq.kv.req_pool_idx, :n] = sm.device_indices.to(torch.int32)
-        req.kv.kv_committed_len = req.kv.kv_allocated_len = n
-        sreq.kv.kv_committed_len = sreq.kv.kv_allocated_len = n
-        self.live.append((req, sreq, {"chunk": chunk, "max_out": max_out, "decoded": 0}))
-        self.compare(f"admit {rid}")
-
-    def _free_window(self, req, sreq, pre_len: int) -> None:
-        self.ours.free_window_slots([req], [pre_len])
-        self.sg.free_swa_out_of_window_slots(
-            sreq, pre_len, sliding_window_size=self.W, page_size=self.ps, req_to_token_pool=self.srtp,
-            token_to_kv_pool_allocator=self.sa, is_chunk_cache=False, retain_floor=self.theirs.swa_retain_floor(sreq))
-
-    def step(self, idx: int) -> None:
-        req, sreq, plan = self.live[idx]
-        total = len(req.origin_input_ids)
-        kv = req.kv
-        if kv.kv_allocated_len < total:
-            start = kv.kv_allocated_len
-            end = min(total, start + plan["chunk"])
-            self.log.append(f"prefill {req.rid} [{start}, {end})")
-            if not self.alloc(req, sreq, end):
-                self.finish(idx, True, why="no memory for prefill")
-                return
-            kvcore.cache_unfinished_req(req, self.ours, chunked=end < total)
-            self.theirs.cache_unfinished_req(sreq, chunked=end < total)
-            self.eq(f"{req.rid} prefix_indices", self.mapped(req.prefix_indices), sreq.prefix_indices.tolist())
-            self.eq(f"{req.rid} cache_protected_len", req.kv.cache_protected_len, sreq.kv.cache_protected_len)
-            self.compare(f"prefill {req.rid}")
-            return
-        if plan["decoded"] >= plan["max_out"]:
-            self.finish(idx, self.rng.random() < 0.9)
-            return
-        tok = self.rng.randrange(4)
-        req.output_ids.append(tok)
-        sreq.output_ids.append(tok)
-        self.log.append(f"decode {req.rid} tok={tok} seqlen={req.seqlen}")
-        if not self.alloc(req, sreq, kv.kv_allocated_len + 1):
-            req.output_ids.pop()
-            sreq.output_ids.pop()
-            self.finish(idx, True, why="no memory for decode")
-            return
-        plan["decoded"] += 1
-        self._free_window(req, sreq, req.seqlen - 1)
-        self.compare(f"decode {req.rid}")
-        if (plan["decoded"] >= self.W and not plan.get("swa_released") and sreq.swa_uuid_for_lock is not None
-                and self.rng.random() < 0.3):
-            self.log.append(f"dec_swa_lock_only {req.rid}")
-            self.ours.dec_swa_lock_only(req.last_node, req.lock)
-            self.theirs.dec_swa_lock_only(sreq.last_node, sreq.swa_uuid_for_lock, sreq.skip_lock_node_ids)
-            sreq.swa_prefix_lock_released = True
-            plan["swa_released"] = True
-            self.compare(f"dec_swa_lock_only {req.rid}")
-
-    def finish(self, idx: int, is_insert: bool, why: str = "") -> None:
-        req, sreq, _ = self.live.pop(idx)
-        self.log.append(f"finish {req.rid} is_insert={is_insert} {why}")
-        committed = sreq.kv.kv_committed_len
-        if req.kv.kv_allocated_len == 0:
-            self.ours.dec_lock_ref(req.last_node, req.lock)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
-            self.ours.req_to_token_pool.free(req)
-            self.srtp.free(sreq)
-            self.compare(f"abort {req.rid}")
-            return
-        kvcore.release_kv_cache(req, self.ours, is_insert=is_insert)
-        self.theirs.cache_finished_req(sreq, is_insert=is_insert, kv_len_to_handle=committed)
-        start, end = committed, sreq.kv.kv_allocated_len
-        if self.ps > 1:
-            start = -(-start // self.ps) * self.ps
-        if start < end:
-            self.theirs.free_kv_row(sreq.kv, [(start, end)])
-        self.srtp.free(sreq)
-        sreq.kv.mark_kv_released()
-        self.compare(f"finish {req.rid}")
-
-    def _cmp_match(self, what, m, sm) -> None:
-        self.eq(f"{what} length", int(m.device_indices.numel()), int(sm.device_indices.numel()))
-        self.eq(f"{what} slots", self.mapped(m.device_indices), sm.device_indices.tolist())
-        self.eq(f"{what} last node", self.opath(m.last_device_node), self.spath(self.snode(sm.last_device_node)))
-
-    def probe_match(self, key, extra, hold: bool) -> None:
-        sg = self.sg
-        self.log.append(f"match {key} extra={extra} hold={hold}")
-        m = self.ours.match_prefix(RadixKey(key, extra))
-        sm = self.theirs.match_prefix(sg.MatchPrefixParams(key=sg.RadixKey(list(key), extra)))
-        self._cmp_match("match", m, sm)
-        if hold and m.last_device_node is not self.ours.root_node:
-            lock = self.ours.inc_lock_ref(m.last_device_node)
-            res = self.theirs.inc_lock_ref(sm.last_device_node)
-            self._lock_stop(m.last_device_node, lock, self.snode(sm.last_device_node), res)
-            self.held.append((m.last_device_node, lock, sm.last_device_node, res))
-        self.compare("match")
-
-    def release_held(self, i: int) -> None:
-        node, lock, snode, res = self.held.pop(i)
-        self.log.append(f"dec_lock_ref {self.opath(node)}")
-        self.ours.dec_lock_ref(node, lock)
-        self.theirs.dec_lock_ref(snode, self.sg.DecLockRefParams(
-            swa_uuid_for_lock=res.swa_uuid_for_lock, skip_lock_node_ids=res.skip_lock_node_ids))
-        self.compare("dec_lock_ref")
-
-    def evict(self, n: int, sn: int) -> None:
-        self.log.append(f"evict({n}, {sn})")
-        r = self.ours.evict(n, sn)
-        s = self.theirs.evict(self.sg.EvictParams(num_tokens=n, swa_num_tokens=sn))
-        self.eq("evict result", (r.num_tokens_evicted, r.swa_num_tokens_evicted),
-                (s.num_tokens_evicted, s.swa_num_tokens_evicted))
-        self.compare("evict")
-
-    def insert(self, key, sev_pages: int) -> None:
-        ps = self.ps
-        n = len(key) // ps * ps
-        if n == 0 or not self.ensure(n):
-            return
-        sev = min(sev_pages * ps, n)
-        self.log.append(f"insert {key} swa_evicted_seqlen={sev}")
-        o = self.oa.alloc(n)
-        s = self.sa.alloc(n)
-        self.pair[o] = s
-        if sev:
-            self.sa.free_swa(s[:sev])
-        r = self.ours.insert(RadixKey(key), o, 0, sev)
-        sr = self.theirs.insert(self.sg.InsertParams(key=self.sg.RadixKey(list(key)), value=s, prev_prefix_len=0,
-                                                     swa_evicted_seqlen=sev))
-        self.eq("insert prefix_len", r.prefix_len, sr.prefix_len)
-        self.compare("insert")
-
-    def run(self, n_ops: int, prompts) -> None:
-        rng = self.rng
-        ps = self.ps
-        for _ in range(n_ops):
-            r = rng.random()
-            if r < 0.18 and len(self.live) < 5:
-                base = rng.choice(prompts)
-                cut = rng.randrange(1, len(base) + 1)
-                prompt = base[:cut] + [rng.randrange(8) for _ in range(rng.randrange(0, 3 * ps + 6))]
-                if len(prompt) < 2:
-                    prompt = prompt + [0, 1]
-                extra = "x" if rng.random() < 0.1 else None
-                chunk = rng.choice([1, 3, ps, 2 * ps + 1, self.W, 1000])
-                self.admit(prompt, extra, chunk, rng.randrange(0, 3 * self.W + 3))
-            elif r < 0.62 and self.live:
-                self.step(rng.randrange(len(self.live)))
-            elif r < 0.68 and self.live:
-                self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
-            elif r < 0.78:
-                base = rng.choice(prompts)
-                key = base[: rng.randrange(0, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 3))]
-                self.probe_match(key, "x" if rng.random() < 0.1 else None, hold=rng.random() < 0.4)
-            elif r < 0.84 and self.held:
-                self.release_held(rng.randrange(len(self.held)))
-            elif r < 0.92:
-                self.evict(rng.choice([0, 1, ps, 3 * ps, 40]), rng.choice([0, 0, 1, ps, 2 * self.W, 40]))
-            else:
-                base = rng.choice(prompts)
-                head = base[: rng.randrange(1, len(base) + 1)]
-                key = head + [rng.randrange(8) for _ in range(rng.randrange(0, 2 * ps))]
-                n = len(key) // ps
-                self.insert(key, rng.choice([0, 0, rng.randrange(0, n + 1)]) if n else 0)
-        while self.live:
-            self.finish(0, True)
-        while self.held:
-            self.release_held(0)
-        self.evict(self.size, self.size)
-        self.eq("drained full pool", self.oa.full_available_size(), self.size)
-
-
-def _prompts(rng: random.Random, page_size: int, window: int) -> list[list[int]]:
-    bases = []
-    for _ in range(4):
-        n = rng.randrange(page_size, 4 * window + 4 * page_size + 4)
-        bases.append([rng.randrange(4) for _ in range(n)])
-    bases.append(bases[0][: len(bases[0]) // 2] + [rng.randrange(4) for _ in range(window + page_size)])
-    return bases
 
 
 SEEDS = int(os.environ.get("KVCORE_DIFF_SEEDS", "4"))
@@ -420,15 +140,7 @@ SWA_CONFIGS = [
 
 def run_swa(sg, ps, W, size, swa, seed, ops=OPS):
     rng = random.Random(f"unified-{ps}-{W}-{seed}")
-    d = Diff(sg, page_size=ps, window=W, size=size, swa_size=swa, seed=seed)
-    try:
-        d.run(ops, _prompts(rng, ps, W))
-    except Mismatch:
-        raise
-    except Exception as exc:
-        tail = "\n  ".join(d.log[-30:])
-        raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
-    return d
+    return Diff(sg, page_size=ps, window=W, size=size, swa_size=swa, seed=seed).run(ops, window_prompts(rng, ps, W))
 
 
 @pytest.mark.parametrize("ps, W, size, swa", SWA_CONFIGS)
@@ -443,21 +155,16 @@ def test_unified_full_swa_matches_sglang(sg, ps, W, size, swa):
 
 @pytest.fixture(scope="module")
 def sgm():
-    try:
-        return load_sglang_unified(SRC, mamba=True)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang's UnifiedRadixCache with Mamba from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_unified, SRC, "UnifiedRadixCache with Mamba", mamba=True)
 
 
-class MambaDiff:
+class MambaDiff(UnifiedHarness):
     def __init__(self, sg, *, page_size: int, size: int, mamba_size: int, chunk: int, seed: int,
                  track_interval: int = 256):
-        self.sg = sg
+        super().__init__(sg, seed=seed, pair_size=size + page_size + 1)
         self.ps = page_size
         self.size = size
         self.chunk = chunk
-        self.rng = random.Random(seed)
-        self.log: list[str] = []
         self.ours = create_cache("unified", components=("full", "mamba"), size=size, page_size=page_size,
                                  max_num_reqs=4, max_context_len=256, mamba_size=mamba_size,
                                  mamba_cache_chunk_size=chunk, mamba_track_interval=track_interval)
@@ -466,40 +173,29 @@ class MambaDiff:
         self.sa = sg.make_allocator(size, page_size)
         extra = page_size > 1  # SGLang's mamba component needs its extra-buffer mode for pages
         self.spool = sg.make_hybrid_pool(4, mamba_size, 256, extra_buffer=extra)
-        self.theirs = sg.make_cache(("full", "mamba"), self.sa, self.spool, page_size, chunk_size=chunk,
-                                    enable_mamba_extra_buffer=extra)
+        self.theirs = sg.make_unified_cache(("full", "mamba"), self.sa, self.spool, page_size, chunk_size=chunk,
+                                            enable_mamba_extra_buffer=extra)
         self.core = self.theirs.tree_core
         self.CT = sg.ComponentType
-        self.pair = torch.full((size + page_size + 1,), -1, dtype=torch.int64)
         self.mpair = torch.full((mamba_size + 2,), -1, dtype=torch.int64)
         self.held: list = []
+        self.live: list = []
         self.checker = InvariantChecker(self.ours)
 
-    fail = Diff.fail
-    eq = Diff.eq
-    mapped = Diff.mapped
-    snode = Diff.snode
-    opath = Diff.opath
-    spath = Diff.spath
-
     def _canon_ours(self):
-        out = []
-        for n in self.ours._nodes():
+        def row(n):
             mv = None if n.mamba_value is None else int(self.mpair[int(n.mamba_value[0])])
-            out.append((n.extra_key, self.opath(n), n.lock_ref, n.mamba_lock_ref, mv, tuple(self.mapped(n.value))))
-        return sorted(out, key=repr)
+            return (n.extra_key, self.opath(n), n.lock_ref, n.mamba_lock_ref, mv, tuple(self.mapped(n.value)))
+
+        return tree_rows(self.ours.root_node, row)
 
     def _canon_theirs(self):
-        CT = self.CT
-        out = []
-        stack = list(self.core.root_node.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            f, m = n.component_data[CT.FULL], n.component_data[CT.MAMBA]
+        def row(n):
+            f, m = self.their_data(n, self.CT.MAMBA)
             mv = None if m.value is None else int(m.value.reshape(-1)[0])
-            out.append((n.key.extra_key, self.spath(n), f.lock_ref, m.lock_ref, mv, _tok(f.value)))
-        return sorted(out, key=repr)
+            return (n.key.extra_key, self.spath(n), f.lock_ref, m.lock_ref, mv, ids(f.value))
+
+        return tree_rows(self.core.root_node, row)
 
     def compare(self, what: str) -> None:
         o, t, CT = self.ours, self.theirs, self.CT
@@ -509,22 +205,10 @@ class MambaDiff:
                                    o.mamba_protected_size()),
                 (t.full_evictable_size(), t.full_protected_size(), t.mamba_evictable_size(),
                  t.mamba_protected_size()))
-        co, ct = self._canon_ours(), self._canon_theirs()
-        if co != ct:
-            so, st = set(co), set(ct)
-            self.fail(f"{what}: trees differ:\n    ours-only={sorted(so - st, key=repr)}\n"
-                      f"    sglang-only={sorted(st - so, key=repr)}")
-        lru = self.core.lru_lists[CT.MAMBA]
-        theirs_lru = []
-        x = lru.tail.lru_prev[lru._pt]
-        while x is not lru.head:
-            theirs_lru.append(self.spath(x))
-            x = x.lru_prev[lru._pt]
-        self.eq(f"{what}: mamba LRU order", [self.opath(n) for n in o.by_name["mamba"].lru], theirs_lru)
-        ol = [self.opath(n) for n in sorted(o.leaves, key=lambda n: n.last_access_time)]
-        tl = [self.spath(n) for n in sorted(self.core.evictable_device_leaves, key=lambda n: n.last_access_time)]
-        self.eq(f"{what}: evictable leaves by recency", ol, tl)
-        self.checker.check([r for r, _ in getattr(self, "live", [])])
+        self.eq_rows(f"{what}: trees", self._canon_ours(), self._canon_theirs())
+        self.eq(f"{what}: mamba LRU order", [self.opath(n) for n in o.by_name["mamba"].lru], self.their_lru(CT.MAMBA))
+        self.eq_leaves(what)
+        self.checker.check([r for r, _ in self.live])
 
     def evict(self, n: int, mn: int) -> None:
         self.log.append(f"evict({n}, mamba_num={mn})")
@@ -547,7 +231,7 @@ class MambaDiff:
         self.log.append(f"insert {key[:n]} extra={extra}")
         o = self.oa.alloc(n)
         s = self.sa.alloc(n)
-        self.pair[o] = s
+        self.pair_slots(o, s)
         om = self.om.alloc(1)
         sm = self.spool.mamba_allocator.alloc(1)
         self.mpair[om] = sm
@@ -569,38 +253,35 @@ class MambaDiff:
         self.eq("match last node", self.opath(m.last_device_node), self.spath(self.snode(sm.last_device_node)))
         self.eq("match branching", m.mamba_branching_seqlen, sm.mamba_branching_seqlen)
         if hold and m.last_device_node is not self.ours.root_node:
-            lock = self.ours.inc_lock_ref(m.last_device_node)
-            res = self.theirs.inc_lock_ref(sm.last_device_node)
-            self.held.append((m.last_device_node, lock, sm.last_device_node, res))
+            self.hold(m.last_device_node, sm.last_device_node)
         self.compare("match")
 
-    def release(self, i: int) -> None:
-        node, lock, snode, res = self.held.pop(i)
-        self.log.append(f"dec_lock_ref {self.opath(node)}")
-        self.ours.dec_lock_ref(node, lock)
-        self.theirs.dec_lock_ref(snode, self.sg.DecLockRefParams(
-            swa_uuid_for_lock=res.swa_uuid_for_lock, skip_lock_node_ids=res.skip_lock_node_ids))
-        self.compare("dec_lock_ref")
+    def stems(self) -> list[list[int]]:
+        rng, ps = self.rng, self.ps
+        return [[rng.randrange(4) for _ in range(rng.randrange(ps, 12 * ps))] for _ in range(4)]
 
-    def run(self, ops: int) -> None:
+    def run(self, n_ops: int, *args) -> Harness:
+        return super().run(n_ops, self.stems())
+
+    def operation(self, bases) -> None:
         rng = self.rng
         ps = self.ps
-        bases = [[rng.randrange(4) for _ in range(rng.randrange(ps, 12 * ps))] for _ in range(4)]
-        for _ in range(ops):
-            base = rng.choice(bases)
-            key = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 2 * ps))]
-            extra = "x" if rng.random() < 0.1 else None
-            r = rng.random()
-            if r < 0.35:
-                self.insert(key, extra)
-            elif r < 0.65:
-                self.match(key, extra, hold=rng.random() < 0.35)
-            elif r < 0.8 and self.held:
-                self.release(rng.randrange(len(self.held)))
-            else:
-                self.evict(rng.choice([0, 0, 1, ps, 3 * ps, 40]), rng.choice([0, 1, 2, 5]))
+        base = rng.choice(bases)
+        key = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 2 * ps))]
+        extra = "x" if rng.random() < 0.1 else None
+        r = rng.random()
+        if r < 0.35:
+            self.insert(key, extra)
+        elif r < 0.65:
+            self.match(key, extra, hold=rng.random() < 0.35)
+        elif r < 0.8 and self.held:
+            self.release_held(rng.randrange(len(self.held)))
+        else:
+            self.evict(rng.choice([0, 0, 1, ps, 3 * ps, 40]), rng.choice([0, 1, 2, 5]))
+
+    def drain(self) -> None:
         while self.held:
-            self.release(0)
+            self.release_held(0)
         self.evict(self.size, 10**6)
         self.eq("drained", (self.oa.available_size(), self.ours.mamba_evictable_size()), (self.size, 0))
 
@@ -615,15 +296,7 @@ MAMBA_CONFIGS = [
 
 
 def run_mamba(sg, ps, size, mamba_size, chunk, seed, ops=OPS):
-    d = MambaDiff(sg, page_size=ps, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed)
-    try:
-        d.run(ops)
-    except Mismatch:
-        raise
-    except Exception as exc:
-        tail = "\n  ".join(d.log[-30:])
-        raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
-    return d
+    return MambaDiff(sg, page_size=ps, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed).run(ops)
 
 
 @pytest.mark.parametrize("ps, size, mamba_size, chunk", MAMBA_CONFIGS)
@@ -642,19 +315,15 @@ class MambaReqDiff(MambaDiff):
 
     def __init__(self, sg, **kw):
         super().__init__(sg, **kw)
-        self.live: list = []
         self.rid = 0
 
     def pair_states(self) -> None:
         theirs = {}
-        stack = list(self.core.root_node.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
+        for n in iter_subtree(self.core.root_node):
             v = n.component_data[self.CT.MAMBA].value
             if v is not None:
                 theirs[(n.key.extra_key, self.spath(n))] = int(v.reshape(-1)[0])
-        for n in self.ours._nodes():
+        for n in iter_subtree(self.ours.root_node):
             if n.mamba_value is not None and int(self.mpair[int(n.mamba_value[0])]) == -1:
                 t = theirs.get((n.extra_key, self.opath(n)))
                 if t is not None:
@@ -713,13 +382,8 @@ class MambaReqDiff(MambaDiff):
             return True
         if not self.room(end - start):
             return False
-        o = self.oa.alloc(end - start)
-        s = self.sa.alloc(end - start)
-        self.pair[o] = s
-        self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end] = o.to(torch.int32)
-        self.spool.req_to_token[sreq.kv.req_pool_idx, start:end] = s.to(torch.int32)
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
+        self.place_slots(req, sreq, self.oa.alloc(end - start), self.sa.alloc(end - start), start, end,
+                         self.spool.req_to_token)
         return True
 
     def step(self, i: int) -> None:
@@ -751,8 +415,7 @@ class MambaReqDiff(MambaDiff):
         if req.kv.kv_allocated_len == 0:  # admitted with no prefix, never ran: the abort path
             self.ours.dec_lock_ref(req.last_node, req.lock)
             self.ours.req_to_token_pool.free(req)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
+            self.theirs.dec_lock_ref(sreq.last_node, self.dec_params(sreq))
             self.spool.mamba_allocator.free(sreq.kv.mamba_pool_idx.unsqueeze(-1))
             sreq.kv.mamba_pool_idx = None
             self.spool.free(sreq)
@@ -765,32 +428,36 @@ class MambaReqDiff(MambaDiff):
         sreq.kv.mamba_pool_idx = None
         self.compare(f"finish {req.rid}")
 
-    def run(self, ops: int) -> None:
+    def stems(self) -> list[list[int]]:
         rng = self.rng
-        bases = [[rng.randrange(4) for _ in range(rng.randrange(2, self.max_base))] for _ in range(4)]
-        for _ in range(ops):
-            base = rng.choice(bases)
-            key = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
-            extra = "x" if rng.random() < 0.1 else None
-            r = rng.random()
-            if r < 0.2 and len(key) >= 2:
-                self.admit(key, extra)
-            elif r < 0.55 and self.live:
-                self.step(rng.randrange(len(self.live)))
-            elif r < 0.62 and self.live:
-                self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
-            elif r < 0.75:
-                self.match(key, extra, hold=rng.random() < 0.3)
-            elif r < 0.85 and self.held:
-                self.release(rng.randrange(len(self.held)))
-            elif r < 0.93:
-                self.evict(rng.choice([0, 0, 1, 3, 40]), rng.choice([0, 1, 2]))
-            else:
-                self.insert(key, extra)
+        return [[rng.randrange(4) for _ in range(rng.randrange(2, self.max_base))] for _ in range(4)]
+
+    def operation(self, bases) -> None:
+        rng = self.rng
+        base = rng.choice(bases)
+        key = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
+        extra = "x" if rng.random() < 0.1 else None
+        r = rng.random()
+        if r < 0.2 and len(key) >= 2:
+            self.admit(key, extra)
+        elif r < 0.55 and self.live:
+            self.step(rng.randrange(len(self.live)))
+        elif r < 0.62 and self.live:
+            self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
+        elif r < 0.75:
+            self.match(key, extra, hold=rng.random() < 0.3)
+        elif r < 0.85 and self.held:
+            self.release_held(rng.randrange(len(self.held)))
+        elif r < 0.93:
+            self.evict(rng.choice([0, 0, 1, 3, 40]), rng.choice([0, 1, 2]))
+        else:
+            self.insert(key, extra)
+
+    def drain(self) -> None:
         while self.live:
             self.finish(0, True)
         while self.held:
-            self.release(0)
+            self.release_held(0)
         self.evict(self.size, 10**6)
         self.eq("drained", (self.oa.available_size(), self.ours.mamba_evictable_size()), (self.size, 0))
 
@@ -798,14 +465,7 @@ class MambaReqDiff(MambaDiff):
 @pytest.mark.parametrize("size, mamba_size, chunk", [(160, 24, 2), (200, 32, 4)])
 def test_unified_full_mamba_requests_match_sglang(sgm, size, mamba_size, chunk):
     for seed in range(SEEDS):
-        d = MambaReqDiff(sgm, page_size=1, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed)
-        try:
-            d.run(OPS)
-        except Mismatch:
-            raise
-        except Exception as exc:
-            tail = "\n  ".join(d.log[-30:])
-            raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
+        MambaReqDiff(sgm, page_size=1, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed).run(OPS)
 
 
 class MambaReqDiffPaged(MambaReqDiff):
@@ -868,30 +528,12 @@ class MambaReqDiffPaged(MambaReqDiff):
             out.append(a.alloc_extend(t(start), t(start), t(end), t(end), t(last), end - start))
         o, s = out
         assert o is not None and s is not None
-        self.pair[o] = s
-        self.ours.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end] = o.to(torch.int32)
-        self.spool.req_to_token[sreq.kv.req_pool_idx, start:end] = s.to(torch.int32)
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        sreq.kv.kv_allocated_len = sreq.kv.kv_committed_len = end
+        self.place_slots(req, sreq, o, s, start, end, self.spool.req_to_token)
         return True
 
     def s_track(self, sreq, start: int, end: int, prefill: bool) -> None:
-        sk = sreq.kv
-        if prefill:
-            length = end - start
-            if length < self.chunk:
-                return
-            seqlen = start + length // self.chunk * self.chunk
-            br = sreq.mamba_branching_seqlen
-            if br is not None and start < br < end and (br - start) % self.chunk == 0:
-                seqlen = br
-        else:
-            if end % self.dgrid:
-                return
-            seqlen = end
-        sk.mamba_last_track_idx = sk.mamba_next_track_idx
-        sk.mamba_next_track_idx = self.spool.get_mamba_ping_pong_other_idx(sk.mamba_next_track_idx)
-        sk.mamba_last_track_seqlen = seqlen
+        self.sg.track_like_scheduler(sreq, self.spool, start, end, prefill=prefill, chunk=self.chunk,
+                                     decode_grid=self.dgrid)
 
     def step(self, i: int) -> None:
         req, sreq = self.live[i]
@@ -940,8 +582,7 @@ class MambaReqDiffPaged(MambaReqDiff):
             self.log.append(f"abort {req.rid}")
             self.ours.dec_lock_ref(req.last_node, req.lock)
             self.ours.req_to_token_pool.free(req)
-            self.theirs.dec_lock_ref(sreq.last_node, self.sg.DecLockRefParams(
-                swa_uuid_for_lock=sreq.swa_uuid_for_lock, skip_lock_node_ids=sreq.skip_lock_node_ids or {}))
+            self.theirs.dec_lock_ref(sreq.last_node, self.dec_params(sreq))
             self.spool.free_mamba_cache(sreq)
             self.spool.free(sreq)
             self.compare(f"abort {req.rid}")
@@ -961,12 +602,5 @@ class MambaReqDiffPaged(MambaReqDiff):
 def test_unified_full_mamba_paged_requests_match_sglang(sgm, size, mamba_size, chunk, interval):
     """Page size 4 requests (SGLang's extra-buffer mode) against SGLang's own UnifiedRadixCache."""
     for seed in range(SEEDS):
-        d = MambaReqDiffPaged(sgm, page_size=4, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed,
-                              track_interval=interval)
-        try:
-            d.run(OPS)
-        except Mismatch:
-            raise
-        except Exception as exc:
-            tail = "\n  ".join(d.log[-30:])
-            raise Mismatch(f"{type(exc).__name__}: {exc}\n  last ops:\n  {tail}") from exc
+        MambaReqDiffPaged(sgm, page_size=4, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed,
+                          track_interval=interval).run(OPS)

@@ -3,7 +3,7 @@
 Seeded random operation sequences run through SGLang's ``MambaRadixCache`` on a real
 ``HybridReqToTokenPool`` / ``MambaPool`` / ``TokenToKVPoolAllocator`` (loaded from source
 with ``tools/sglang_mamba_shim.py``, on CPU) and through ``kvcore.create_cache("mamba")``,
-side by side, through the same public calls:
+side by side (the harness base is ``tools/differential.py``), through the same public calls:
 
 * requests: admission (``match_prefix(cow_mamba=True, req=...)``, lock, row and state
   slot, the copy-on-write or the clear of the state, done by the test as SGLang's
@@ -37,19 +37,22 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
 
 import pytest
 import torch
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tools.sglang_mamba_shim import default_src, load_sglang_mamba  # noqa: E402
+from tools.differential import (
+    Harness,
+    load_or_skip,
+    lru_order,
+    our_free_pages,
+    path_tokens,
+    sglang_free_pages,
+    tree_rows,
+)
+from tools.sglang_mamba_shim import default_src, load_sglang_mamba
 
 SRC = default_src()
 pytestmark = pytest.mark.skipif(SRC is None, reason="SGLang source not found (set KVCORE_SGLANG_SRC)")
@@ -58,27 +61,17 @@ OPS = int(os.environ.get("KVCORE_DIFF_OPS", "250"))
 
 @pytest.fixture(scope="module")
 def sg():
-    try:
-        return load_sglang_mamba(SRC)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"cannot load SGLang's MambaRadixCache from {SRC}: {type(exc).__name__}: {exc}")
+    return load_or_skip(load_sglang_mamba, SRC, "MambaRadixCache")
 
 
-class Mismatch(AssertionError):
-    pass
+class Pair(Harness):
+    """kvcore-mamba's cache and SGLang's MambaRadixCache driven in lockstep."""
 
-
-def _ids(k) -> tuple:
-    return tuple(int(t) for t in (k.token_ids if hasattr(k, "token_ids") else k))
-
-
-class Pair:
-    """One kvcore cache and one SGLang cache driven in lockstep."""
+    log_tail = 12
 
     def __init__(self, sg, *, size: int, mamba_size: int, rows: int, width: int, chunk: int, seed: int,
                  page: int = 1, track_interval: int = 256):
-        self.sg = sg
-        self.rng = random.Random(seed)
+        super().__init__(sg, seed=seed)
         self.page = page
         self.extra = page > 1  # SGLang's extra-buffer mode
         self.chunk = chunk
@@ -88,7 +81,7 @@ class Pair:
                                  mamba_track_interval=track_interval)
         self.sa = sg.make_allocator(size, page)
         self.spool = sg.make_hybrid_pool(rows, mamba_size, width, extra_buffer=self.extra)
-        self.theirs = sg.make_cache(self.sa, self.spool, chunk, page_size=page, extra_buffer=self.extra)
+        self.theirs = sg.make_mamba_cache(self.sa, self.spool, chunk, page_size=page, extra_buffer=self.extra)
         self.oa = self.ours.token_to_kv_pool_allocator
         self.otp = self.ours.req_to_token_pool
         self.checker = InvariantChecker(self.ours)
@@ -96,80 +89,43 @@ class Pair:
         self.held: list[tuple[object, object, object]] = []
         self.inserted: list[tuple[list[int], object]] = []
         self.counter = 0
-        self.log: list[str] = []
         self.stats = {"cow": 0, "mamba_exist": 0, "mamba_evicted": 0, "full_evicted": 0, "tombstones": 0}
 
     # ------------------------------------------------------------------ comparison
-    def fail(self, what: str) -> None:
-        tail = "\n  ".join(self.log[-12:])
-        raise Mismatch(f"{what}\n  last operations:\n  {tail}")
-
-    def eq(self, what: str, a, b) -> None:
-        if a != b:
-            self.fail(f"{what}: ours={a!r} sglang={b!r}")
-
-    @staticmethod
-    def _path(node, root) -> tuple:
-        parts = []
-        while node is not None and node is not root:
-            parts.append(_ids(node.key))
-            node = node.parent
-        out: list = []
-        for p in reversed(parts):
-            out.extend(p)
-        return tuple(out)
-
     def opath(self, node):
-        return None if node is None else (node.extra_key, self._path(node, self.ours.root_node))
+        return None if node is None else (node.extra_key, path_tokens(node, self.ours.root_node))
 
     def spath(self, node):
         if node is None:
             return None
-        return (None if node is self.theirs.root_node else node.key.extra_key, self._path(node, self.theirs.root_node))
+        root = self.theirs.root_node
+        return (None if node is root else node.key.extra_key, path_tokens(node, root, lambda k: k.token_ids))
 
     @staticmethod
     def _mv(v):
         return None if v is None else [int(x) for x in v.reshape(-1).tolist()]
 
-    def _canon(self, root, path_of, extra_of) -> list:
-        out = []
-        stack = list(root.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            lock = n.lock_ref if hasattr(n, "lock_ref") else n.full_lock_ref
-            out.append((extra_of(n), path_of(n), tuple(int(x) for x in n.value.tolist()), self._mv(n.mamba_value),
-                        lock, n.mamba_lock_ref))
-        return sorted(out, key=repr)
+    def _canon(self, root, path_of, extra_of, lock_of) -> list:
+        return tree_rows(root, lambda n: (extra_of(n), path_of(n), tuple(int(x) for x in n.value.tolist()),
+                                          self._mv(n.mamba_value), lock_of(n), n.mamba_lock_ref))
 
     def _lru_ours(self, lru) -> list:
         return [self.opath(n) for n in lru]
 
     def _lru_theirs(self, lru) -> list:
-        out = []
-        x = getattr(lru.tail, lru.prv)
-        while x is not lru.head:
-            out.append(self.spath(x))
-            x = getattr(x, lru.prv)
-        return out
+        return [self.spath(x) for x in lru_order(lru.head, lru.tail, lambda n: getattr(n, lru.prv))]
 
     def compare(self, what: str) -> None:
         o, t = self.ours, self.theirs
         for name in ("full_evictable_size", "full_protected_size", "mamba_evictable_size", "mamba_protected_size"):
             self.eq(f"{what}: {name}", getattr(o, name)(), getattr(t, name)())
-        ours_free = self.oa.free_slots()
-        if self.page > 1:
-            ours_free = ours_free.reshape(-1, self.page)[:, 0] // self.page
-        self.eq(f"{what}: full free list", ours_free.tolist(),
-                torch.cat([self.sa.free_pages, self.sa.release_pages]).tolist())
+        self.eq(f"{what}: full free list", our_free_pages(self.oa), sglang_free_pages(self.sa, with_released=True))
         self.eq(f"{what}: state free list", o.mamba_allocator.free_slots().tolist(),
                 self.spool.mamba_allocator.free_slots.tolist())
-        co = self._canon(o.root_node, lambda n: self.opath(n)[1], lambda n: n.extra_key)
-        ct = self._canon(t.root_node, lambda n: self.spath(n)[1], lambda n: n.key.extra_key)
+        co = self._canon(o.root_node, lambda n: self.opath(n)[1], lambda n: n.extra_key, lambda n: n.lock_ref)
+        ct = self._canon(t.root_node, lambda n: self.spath(n)[1], lambda n: n.key.extra_key, lambda n: n.full_lock_ref)
         self.stats["tombstones"] += sum(1 for n in co if n[3] is None)
-        if co != ct:
-            so, st = set(map(repr, co)), set(map(repr, ct))
-            self.fail(f"{what}: trees differ:\n    ours-only={sorted(so - st)}\n    sglang-only={sorted(st - so)}")
+        self.eq_rows(f"{what}: trees", co, ct)
         self.eq(f"{what}: full LRU order", self._lru_ours(o.full_lru_list), self._lru_theirs(t.full_lru_list))
         self.eq(f"{what}: mamba LRU order", self._lru_ours(o.mamba_lru_list), self._lru_theirs(t.mamba_lru_list))
         for req, sreq in self.live:
@@ -211,33 +167,17 @@ class Pair:
             pool.mamba_cache.temporal[:, idx] = val + 0.5
 
     def s_track(self, sreq, start: int, end: int, prefill: bool) -> None:
-        """SGLang's scheduler (extra-buffer mode, overlap on, not lazy): the tracking decision of one forward.
+        """SGLang's scheduler's tracking decision of one forward (``sg.track_like_scheduler``).
 
-        Prefill (``_mamba_radix_cache_v2_req_prepare_for_extend``): an extend of at least one grid
-        tracks at ``start + L // grid * grid``, or at the branching point when it lies inside,
-        chunk-aligned from the start.  Decode (``_mamba_prefix_cache_update``): a step that reaches
-        a multiple of ``lcm(grid, mamba_track_interval)`` tracks there.  The kernel's snapshot write
-        is stood in for by copying the running state into the tracked slot before the next
-        ``cache_*_req`` (when kvcore, which has no forward, takes its snapshot too).
+        The kernel's snapshot write is stood in for by copying the running state into the
+        tracked slot before the next ``cache_*_req`` (when kvcore, which has no forward, takes
+        its snapshot too).
         """
-        sk = sreq.kv
-        if prefill:
-            length = end - start
-            if length < self.chunk:
-                return
-            seqlen = start + length // self.chunk * self.chunk
-            br = sreq.mamba_branching_seqlen
-            if br is not None and start < br < end and (br - start) % self.chunk == 0:
-                seqlen = br
-        else:
-            if end % self.dgrid:
-                return
-            seqlen = end
-        sk.mamba_last_track_idx = sk.mamba_next_track_idx
-        sk.mamba_next_track_idx = self.spool.get_mamba_ping_pong_other_idx(sk.mamba_next_track_idx)
-        sk.mamba_last_track_seqlen = seqlen
-        dst = sk.mamba_ping_pong_track_buffer[sk.mamba_last_track_idx].reshape(1)
-        self.spool.mamba_pool.copy_from(sk.mamba_pool_idx.reshape(1), dst)
+        if self.sg.track_like_scheduler(sreq, self.spool, start, end, prefill=prefill, chunk=self.chunk,
+                                        decode_grid=self.dgrid):
+            sk = sreq.kv
+            dst = sk.mamba_ping_pong_track_buffer[sk.mamba_last_track_idx].reshape(1)
+            self.spool.mamba_pool.copy_from(sk.mamba_pool_idx.reshape(1), dst)
 
     def s_snapshot(self, sreq) -> None:
         pass  # the snapshot is written at tracking time (s_track), as SGLang's kernel does
@@ -461,33 +401,34 @@ class Pair:
         self.compare("insert")
 
     # ------------------------------------------------------------------ driver
-    def run(self, n_ops: int, stems: list[list[int]]) -> None:
+    def operation(self, stems: list[list[int]]) -> None:
         rng = self.rng
         width = self.otp.max_context_len
-        for _ in range(n_ops):
-            r = rng.random()
-            extra = rng.choice([None, None, None, "x"])
-            stem = rng.choice(stems)
-            if r < 0.22 and len(self.live) < self.otp.size:
-                tail = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-                prompt = (stem + tail)[: width - 12]
-                self.admit(prompt, extra)
-            elif r < 0.55 and self.live:
-                self.step(rng.randrange(len(self.live)))
-            elif r < 0.68 and self.live:
-                self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
-            elif r < 0.78:
-                tail = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
-                self.probe(stem[: rng.randrange(len(stem) + 1)] + tail, extra, rng.random() < 0.3)
-            elif r < 0.83 and self.held:
-                self.release(rng.randrange(len(self.held)))
-            elif r < 0.91:
-                self.evict(rng.choice([0, 0, 1, 7, 30]), rng.choice([0, 1, 1, 2, 5]))
-            elif self.inserted and rng.random() < 0.3:
-                self.insert(*rng.choice(self.inserted))  # the same key again: mamba_exist
-            else:
-                tail = [rng.randrange(4) for _ in range(rng.randrange(0, 20))]
-                self.insert(stem[: rng.randrange(1, len(stem) + 1)] + tail, extra)
+        r = rng.random()
+        extra = rng.choice([None, None, None, "x"])
+        stem = rng.choice(stems)
+        if r < 0.22 and len(self.live) < self.otp.size:
+            tail = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+            prompt = (stem + tail)[: width - 12]
+            self.admit(prompt, extra)
+        elif r < 0.55 and self.live:
+            self.step(rng.randrange(len(self.live)))
+        elif r < 0.68 and self.live:
+            self.finish(rng.randrange(len(self.live)), rng.random() < 0.85)
+        elif r < 0.78:
+            tail = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+            self.probe(stem[: rng.randrange(len(stem) + 1)] + tail, extra, rng.random() < 0.3)
+        elif r < 0.83 and self.held:
+            self.release(rng.randrange(len(self.held)))
+        elif r < 0.91:
+            self.evict(rng.choice([0, 0, 1, 7, 30]), rng.choice([0, 1, 1, 2, 5]))
+        elif self.inserted and rng.random() < 0.3:
+            self.insert(*rng.choice(self.inserted))  # the same key again: mamba_exist
+        else:
+            tail = [rng.randrange(4) for _ in range(rng.randrange(0, 20))]
+            self.insert(stem[: rng.randrange(1, len(stem) + 1)] + tail, extra)
+
+    def drain(self) -> None:
         while self.live:
             self.finish(0, True)
         while self.held:
