@@ -96,6 +96,16 @@ def mrc(
     sim = parse_simulate(simulate) if simulate is not None else []
     if plot is not None and not plot.lower().endswith(".png"):
         raise ValueError(f"--plot {plot!r}: write a .png file")
+    if sim:
+        from kvcore.plugins import available_backends
+        from kvcore.tree import resolve_policy
+
+        known = available_backends()
+        for backend, policy in sim:
+            if backend not in known:
+                raise ValueError(f"--simulate: unknown backend {backend!r}; installed: {', '.join(known)}")
+            if policy is not None:
+                resolve_policy(policy)
     name = workload or ("trace" if trace is not None else "zipf")
     wl = make_workload(name, seed=seed, num_requests=num_requests, trace=trace)
     curve = compute_mrc(wl, page_size, points=points, extra_sizes=sim_sizes)
