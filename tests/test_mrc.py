@@ -280,7 +280,9 @@ def test_trace_and_simulated_points(capsys, tmp_path):
     for p in pts:
         k = doc["sizes"].index(p["size"])
         assert p["lru"] == doc["lru"][k] and p["optimal"] == doc["optimal"][k]
-        assert 0 <= p["hit_rate"] <= doc["infinite"]
+        assert 0 <= p["hit_rate"] <= min(p["optimal"], doc["infinite"])
+        assert (p["lower_bound"] is None) == (p["eviction_policy"] != "lru")
+        assert p["lower_bound"] is None or p["lower_bound"] <= p["hit_rate"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

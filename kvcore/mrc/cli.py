@@ -112,8 +112,16 @@ def mrc(
     if sim:
         curve.simulated = simulate_points(sim, sim_sizes, workload=name, seed=seed, num_requests=num_requests,
                                           trace=trace, page_size=page_size, max_num_reqs=max_num_reqs)
+        longest = wl.max_total_len
         for p in curve.simulated:
             p["lru"], p["optimal"] = curve.at(p["size"])
+            p["lower_bound"] = None
+            if p["backend"] == "radix" and p["eviction_policy"] in (None, "lru"):
+                # docs/bench.md "Agreement with the simulator" (radix under LRU): LRU(S - L) one request at a
+                # time, else LRU(S - R - L).
+                held = 0 if max_num_reqs == 1 else p["held_peak"]
+                low = curve.lru_at([p["size"] - held - longest])[0]
+                p["lower_bound"] = low / curve.prompt_tokens if curve.prompt_tokens else 0.0
     if plot is not None:
         from kvcore.mrc.plot import write_plot
 
@@ -130,5 +138,6 @@ def mrc(
         typer.echo(f"{s:>14,} {s * per_tok / 2**30:>22.3f} {a:>7.1%} {b:>8.1%}")
     typer.echo(f"{'infinite':>14} {'':>22} {curve.infinite:>7.1%} {curve.infinite:>8.1%}")
     for p in curve.simulated:
-        typer.echo(f"simulated {p['label']} at {p['size']:,} tokens: hit rate {p['hit_rate']:.1%} "
-                   f"(LRU curve {p['lru']:.1%}, optimal {p['optimal']:.1%})")
+        bound = "" if p["lower_bound"] is None else f", its lower bound {p['lower_bound']:.2%}"
+        typer.echo(f"simulated {p['label']} at {p['size']:,} tokens: hit rate {p['hit_rate']:.2%} "
+                   f"(LRU curve {p['lru']:.2%}{bound}, optimal {p['optimal']:.2%})")

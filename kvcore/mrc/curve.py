@@ -67,6 +67,13 @@ class MissRatioCurve:
     infinite_tokens: int
     seconds: float
     simulated: list[dict[str, Any]] = field(default_factory=list)
+    reuse: Reuse | None = field(default=None, repr=False)  # the stack pass, for the curve at other sizes
+
+    def lru_at(self, sizes: list[int]) -> list[int]:
+        """Reused tokens of the LRU curve at any ``sizes`` (0 at sizes below one page)."""
+        if self.reuse is None:
+            raise ValueError("this curve keeps no stack pass")
+        return lru_hits(self.reuse, np.array([max(0, s) for s in sizes], dtype=np.int64)).tolist()
 
     def rate(self, tokens: np.ndarray | int) -> Any:
         p = self.prompt_tokens
@@ -130,4 +137,4 @@ def compute_mrc(workload: Workload, page_size: int = 1, *, points: int = 40,
     lru = lru_hits(reuse, sizes)
     opt = optimal_hits(reuse, sizes)
     return MissRatioCurve(workload.name, page_size, reuse.requests, reuse.prompt_tokens, sizes, lru, opt,
-                          int(reuse.w.sum()), time.perf_counter() - t0)
+                          int(reuse.w.sum()), time.perf_counter() - t0, reuse=reuse)

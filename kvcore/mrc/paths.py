@@ -70,7 +70,7 @@ def request_path(spec: RequestSpec, page_size: int) -> Path:
             ids.append(_Fresh())
             his.append(rest)
         return Path(ids, his, limit, spec.prompt_len)
-    seq = list(spec.prompt) + list(spec.output)
+    seq: list[Hashable] = [*spec.prompt, *spec.output]
     if ps == 1:
         return Path(seq, [1] * total, limit, spec.prompt_len)
     return Path([tuple(seq[k : k + ps]) for k in range(0, total, ps)], [ps] * (total // ps), limit, spec.prompt_len)

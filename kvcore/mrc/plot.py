@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvcore.bench.sizing import ModelLayout
 from kvcore.mrc.curve import MissRatioCurve
 
@@ -53,21 +55,30 @@ def make_figure(curve: MissRatioCurve, layout: ModelLayout) -> Any:
             labels.append(p["label"])
     for i, name in enumerate(labels):
         pts = [p for p in curve.simulated if p["label"] == name]
-        xs = [p["size"] for p in pts]
-        ys = [p["hit_rate"] * 100 for p in pts]
+        px = [p["size"] for p in pts]
+        py = [p["hit_rate"] * 100 for p in pts]
         color = f"C{(i + 4) % 10}"
         # Points of several policies often coincide: each smaller than the one before, so all stay visible.
-        ax.scatter(xs, ys, marker=_MARKERS[i % len(_MARKERS)], s=max(20, 150 - 40 * i), color=color,
+        ax.scatter(px, py, marker=_MARKERS[i % len(_MARKERS)], s=max(20, 150 - 40 * i), color=color,
                    edgecolor="black", linewidths=0.8, zorder=5 + i, label=f"simulated: {name}")
-        ax.annotate(name, (xs[-1], ys[-1]), xytext=(8, -4 - 11 * i), textcoords="offset points", color=color,
-                    fontsize=9)
+        # Named below the curves (where the plot is empty), a leader line to the point at the largest size.
+        ax.annotate(f"{name} (simulated)", (px[-1], py[-1]), xytext=(0.97, 0.36 - 0.06 * i),
+                    textcoords="axes fraction", color=color, fontsize=10, ha="right", va="center",
+                    arrowprops={"arrowstyle": "-", "color": color, "linewidth": 0.8})
     ax.set_ylim(0, 100)
     ax.set_xlim(sizes[0], x_end * 1.05)
     ax.set_xlabel("cache size (tokens, log scale)")
     ax.set_ylabel("prompt tokens reused (%)")
     ax.grid(alpha=0.3, which="both")
     per = _bytes_per_token(layout)
-    top = ax.secondary_xaxis("top", functions=(lambda t: t * per / 2**30, lambda g: g * 2**30 / per))
+
+    def to_gib(t: Any) -> Any:
+        return np.asarray(t, dtype=float) * (per / 2**30)
+
+    def to_tokens(g: Any) -> Any:
+        return np.asarray(g, dtype=float) * (2**30 / per)
+
+    top = ax.secondary_xaxis("top", functions=(to_gib, to_tokens))
     top.set_xlabel(f"cache size (GiB of KV, {layout.name}: {per:,} bytes/token)")
     ax.legend(loc="upper left", fontsize=9, framealpha=0.9, bbox_to_anchor=(0.0, 0.93))
     fig.suptitle(f"kvcore mrc: {curve.workload}, {curve.requests:,} requests, {curve.prompt_tokens:,} prompt tokens, "

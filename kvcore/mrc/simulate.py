@@ -25,6 +25,7 @@ def simulate_points(backends: list[tuple[str, str | None]], sizes: list[int], *,
                 "backend": backend, "eviction_policy": policy,
                 "label": backend if policy is None else f"{backend} {policy}",
                 "size": size, "hit_rate": rep["hit_rate"], "cached_tokens": rep["cached_tokens"],
-                "evictions": rep["evictions"], "retractions": rep.get("retractions", 0),
+                "evictions": rep["evictions"], "retractions": rep["retractions"],
+                "held_peak": rep["pools"][0]["peak"],
             })
     return out
