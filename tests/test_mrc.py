@@ -67,14 +67,16 @@ def _ref_lru(pp, capacity: int) -> int:
 
 
 def _ref_belady(pp, capacity: int) -> int:
-    """Belady's MIN: keep the pages whose next counted use is soonest (deeper first among equals)."""
+    """Belady's MIN: keep the pages whose next use is soonest (deeper first among equals).  A page whose next
+    access lies past that request's match limit is worth nothing until then (the access brings it back)."""
     uses: dict[int, list[int]] = {}
+    counted: dict[int, list[bool]] = {}
     depth: dict[int, int] = {}
     for r, (pages, limit) in enumerate(pp):
         for d, pg in enumerate(pages):
             depth[pg] = d
-            if d < limit:
-                uses.setdefault(pg, []).append(r)
+            uses.setdefault(pg, []).append(r)
+            counted.setdefault(pg, []).append(d < limit)
     cache: set[int] = set()
     hits = 0
     for r, (pages, limit) in enumerate(pp):
@@ -82,9 +84,9 @@ def _ref_belady(pp, capacity: int) -> int:
         cache.update(pages)
 
         def nxt(pg, r=r):
-            u = uses.get(pg, [])
+            u = uses[pg]
             k = bisect.bisect_right(u, r)
-            return u[k] if k < len(u) else 1 << 60
+            return u[k] if k < len(u) and counted[pg][k] else 1 << 60
 
         cache = set(sorted(cache, key=lambda pg: (nxt(pg), depth[pg]))[:capacity])
     return hits
@@ -130,6 +132,39 @@ def test_curves_equal_page_level_references(name, n, ps):
     reuse = stack_pass(paths)
     pp = _page_paths(paths, ps)
     sizes = np.array(sorted({ps * k for k in (1, 2, 5, 13, 40, 120, 400, 1500, 6000, 30000)}))
+    assert lru_hits(reuse, sizes).tolist() == [ps * _ref_lru(pp, s // ps) for s in sizes]
+    assert optimal_hits(reuse, sizes).tolist() == [ps * _ref_belady(pp, s // ps) for s in sizes]
+
+
+class _Own:
+    """A symbol equal only to itself (a request's fresh tokens)."""
+
+
+def _block_paths(rng: random.Random, n: int, block: int, ps: int) -> list[Path]:
+    """Trace-like paths: blocks of ``block`` tokens from a small alphabet, the last one often partial (a whole
+    number of pages), then the request's own tokens -- the splits inside blocks that Mooncake lines cause."""
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 5)
+        ids: list = [rng.choice("abcd") for _ in range(k)]
+        his = [block] * k
+        his[-1] = rng.choice([block, ps * rng.randint(1, block // ps)])
+        if rng.random() < 0.7:
+            ids.append(_Own())
+            his.append(ps * rng.randint(1, 3))
+        total = sum(his)
+        out.append(Path(ids, his, rng.randint(0, total // ps) * ps, total))
+    return out
+
+
+@pytest.mark.parametrize("seed, ps", [(s, ps) for s in range(6) for ps in (1, 2)])
+def test_partial_blocks_split_as_the_token_tree(seed, ps):
+    """A path that ends inside a block another path passes through whole (and the reverse) splits the block:
+    the one-pass curves still equal the page-by-page references on the expanded tokens."""
+    paths = _block_paths(random.Random(seed), 40, 8, ps)
+    reuse = stack_pass(paths)
+    pp = _page_paths(paths, ps)
+    sizes = np.array([ps * k for k in (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144)])
     assert lru_hits(reuse, sizes).tolist() == [ps * _ref_lru(pp, s // ps) for s in sizes]
     assert optimal_hits(reuse, sizes).tolist() == [ps * _ref_belady(pp, s // ps) for s in sizes]
 
