@@ -55,7 +55,9 @@ def parse_simulate(text: str) -> list[tuple[str, str | None]]:
 
 def mrc(
     workload: Annotated[
-        str | None, typer.Option("--workload", "-w", help="A bench workload (see `kvcore bench --help`).")
+        str | None,
+        typer.Option("--workload", "-w",
+                     help="A bench workload (see `kvcore bench --help`; default zipf, or trace with --trace)."),
     ] = None,
     trace: Annotated[
         str | None, typer.Option("--trace", help="A Mooncake-format JSONL trace (run at block granularity).")
