@@ -108,6 +108,7 @@ def _register_bench() -> None:
 
 
 _register_bench()
+app.command("mrc")(__import__("kvcore.mrc.cli", fromlist=["mrc"]).mrc)  # miss-ratio curves (kvcore/mrc/)
 
 
 def main(argv: list[str] | None = None) -> None:
