@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
@@ -335,10 +335,11 @@ class _EventTranslator:
                     token_ids=list(ev.token_ids),
                     block_size=len(ev.token_ids),
                     lora_id=None,
+                    medium=StorageMedium.GPU,
                 ))
             elif isinstance(ev, PageRemoved):
                 h = self._sglang_hash.pop(ev.page_hash)
-                self.recorder.enqueue(BlockRemoved(block_hashes=[hash_str_to_int64(h)]))
+                self.recorder.enqueue(BlockRemoved(block_hashes=[hash_str_to_int64(h)], medium=StorageMedium.GPU))
             elif isinstance(ev, AllPagesCleared):
                 self._sglang_hash.clear()
                 self.recorder.record_all_cleared()
@@ -514,7 +515,7 @@ def _targets_for(kind: str) -> list[str]:
     return [t.name for t in TARGETS if kind in t.serves]
 
 
-def _build_kvcore(backend: str, params: Any, **options: Any) -> Any:
+def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> Any:
     """Build kvcore backend ``backend`` on views of SGLang's pools, with its lifecycle relay."""
     spec = get_backend(backend)
     alloc = params.token_to_kv_pool_allocator
@@ -528,15 +529,18 @@ def _build_kvcore(backend: str, params: Any, **options: Any) -> Any:
         options.setdefault("max_context_len", -(-int(r2t.max_context_len) // page_size) * page_size)
     try:
         config = spec.config(page_size=page_size, **options)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise UnsupportedContext(f"kvcore backend {backend!r} refuses SGLang's options: {exc}") from None
-    init = CacheInitParams(
-        req_to_token_pool=None if r2t is None else ReqToTokenPoolView(r2t),
-        token_to_kv_pool_allocator=None if alloc is None else AllocatorView(alloc),
-        page_size=page_size,
-        config=config,
-    )
-    cache = spec.factory(init)
+        init = CacheInitParams(
+            req_to_token_pool=None if r2t is None else ReqToTokenPoolView(r2t),
+            token_to_kv_pool_allocator=None if alloc is None else AllocatorView(alloc),
+            page_size=page_size,
+            config=config,
+        )
+        cache = spec.factory(init)
+    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise UnsupportedContext(
+            f"--radix-cache-backend {target.name} (SGLang {SGLANG_VERSION}): kvcore backend {backend!r} "
+            f"refuses SGLang's options: {exc}"
+        ) from None
     cache.backend_name = backend
     attach_lifecycle(cache)
     get_plugin_manager().hook.kvcore_cache_created(cache=cache)
@@ -552,7 +556,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: a HybridReqToTokenPool (mamba states) "
                                      "needs kvcore-mamba or kvcore-unified")
         cache = _build_kvcore(
-            "radix", params,
+            target, "radix", params,
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
@@ -563,7 +567,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")
-        cache = _build_kvcore("chunk", params, strict=False)
+        cache = _build_kvcore(target, "chunk", params, strict=False)
     else:
         raise UnsupportedContext(
             f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} cannot build backend {target.backend!r}"
