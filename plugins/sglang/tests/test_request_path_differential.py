@@ -260,7 +260,8 @@ def tree_dump(root) -> list:
 
 def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, steps: int, **params) -> dict:
     rng = random.Random(seed)
-    size = 96 * page_size if page_size > 1 else 160
+    # Small pools: allocation often has to evict (evict_from_tree_cache) and admission to retract.
+    size = 112
     kw = dict(size=size, page_size=page_size, rows=8, width=256, **params)
     ref = World(cache_kind, **kw)
     ours = World(cache_kind, kvcore_name=kvcore_name, **kw)
@@ -269,7 +270,8 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
     waiting: list[str] = []   # admitted next
     prefilling: dict[str, int] = {}   # rid -> chunk size
     running: list[str] = []
-    counts = dict.fromkeys(["admit", "chunk", "decode", "finish", "abort", "retract", "evict", "probe", "pressure"], 0)
+    counts = dict.fromkeys(["admit", "chunk", "decode", "finish", "abort", "retract", "evict", "probe", "pressure",
+                                 "alloc_evict"], 0)
     next_id = 0
 
     def both(method: str, *args):
@@ -281,9 +283,20 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
         return n_new + (len(running) + 1) * page_size
 
     for step in range(steps):
-        op = rng.random()
         live = len(prefilling) + len(running)
-        if op < 0.22 and live < 6:
+        # One of the steps possible now, by weight (no fall-through to whatever comes last).
+        weights = {
+            "new": 3 if len(waiting) < 4 else 0,
+            "admit": 3 if waiting and live < 6 else 0,
+            "chunk": 4 if prefilling else 0,
+            "decode": 5 if running else 0,
+            "finish": 2 if running else 0,
+            "abort": 0.6 if live else 0,
+            "evict": 0.4,
+            "probe": 0.8,
+        }
+        op = rng.choices(list(weights), weights=list(weights.values()))[0]
+        if op == "new":
             base = rng.choice(prompts)
             ids = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(1, 40) for _ in range(rng.randrange(0, 24))]
             rid = f"r{next_id}"
@@ -292,7 +305,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             for w in worlds:
                 w.new_req(rid, ids, extra)
             waiting.append(rid)
-        elif op < 0.4 and waiting and live < 6:
+        elif op == "admit":
             rid = waiting[0]
             req = ref.reqs[rid]
             # PrefillAdder's budget: what the whole prompt needs must fit in free + evictable.
@@ -309,7 +322,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             both("admit", rid)
             prefilling[rid] = rng.choice([8, 16, 1000])
             counts["admit"] += 1
-        elif op < 0.55 and prefilling:
+        elif op == "chunk":
             rid = rng.choice(sorted(prefilling))
             req = ref.reqs[rid]
             start = len(req.prefix_indices)
@@ -317,13 +330,15 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             if need_tokens(end - start) > ref.alloc.available_size() + ref.cache.evictable_size():
                 counts["pressure"] += 1
                 continue
+            # What evict_from_tree_cache asks for before this allocation (SGLang over-estimates a page when paged).
+            counts["alloc_evict"] += (end - start) + (page_size if page_size > 1 else 0) > ref.alloc.available_size()
             both("extend", rid, prefilling[rid])
             counts["chunk"] += 1
             if end == len(req.full_untruncated_fill_ids):
                 del prefilling[rid]
                 both("sample_first", rid, rng.randrange(1, 40))
                 running.append(rid)
-        elif op < 0.75 and running:
+        elif op == "decode":
             batch = rng.sample(running, rng.randrange(1, len(running) + 1))
             if need_tokens(len(batch)) > ref.alloc.available_size() + ref.cache.evictable_size():
                 counts["pressure"] += 1
@@ -332,13 +347,14 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
                 waiting.append(victim)
                 counts["retract"] += 1
                 continue
+            counts["alloc_evict"] += len(batch) * page_size > ref.alloc.available_size()
             both("decode", sorted(batch), [rng.randrange(1, 40) for _ in batch])
             counts["decode"] += 1
-        elif op < 0.85 and running:
+        elif op == "finish":
             rid = running.pop(rng.randrange(len(running)))
             both("finish", rid)
             counts["finish"] += 1
-        elif op < 0.89 and (running or prefilling):
+        elif op == "abort":
             pool = sorted(prefilling) + running
             rid = rng.choice(pool)
             prefilling.pop(rid, None)
@@ -347,7 +363,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             # An aborted request: SGLang releases it without inserting (nothing was admitted twice).
             both("finish", rid, False)
             counts["abort"] += 1
-        elif op < 0.94:
+        elif op == "evict":
             both("evict", rng.randrange(0, 3 * page_size * 4))
             counts["evict"] += 1
         else:
@@ -378,7 +394,7 @@ def test_kvcore_radix_matches_sglang_radix_cache(seed, page_size):
     counts = run_stream(seed, cache_kind="radix", kvcore_name="kvcore-radix", page_size=page_size, steps=250,
                         enable_kv_cache_events=seed % 2 == 0)
     # The stream really did each thing (else the comparison proves little).
-    for what in ("admit", "chunk", "decode", "finish", "evict", "probe"):
+    for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "probe", "alloc_evict"):
         assert counts[what] > 0, counts
 
 
