@@ -59,7 +59,10 @@ def register_with_sglang() -> None:
     plugin is left as it is.  A name another distribution registered first is
     left to it, with a warning.
     """
-    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.mem_cache.registry import (  # type: ignore[import-not-found,unused-ignore]
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
 
     for target in TARGETS:
         held = get_radix_cache_factory(target.name)

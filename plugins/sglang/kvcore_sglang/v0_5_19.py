@@ -1,4 +1,3 @@
-# mypy: ignore-missing-imports
 """SGLang 0.5.19's tree-cache contract, met by kvcore backends built on SGLang's own pools.
 
 Everything that names an SGLang 0.5.19 class or field lives here; another SGLang
@@ -25,9 +24,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium
-from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import (
+from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-found,unused-ignore]
     BasePrefixCache,
     DecLockRefParams,
     DecLockRefResult,
@@ -37,10 +36,10 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
     MatchResult,
 )
-from sglang.srt.mem_cache.common import free_kv_row_segments
-from sglang.srt.mem_cache.events import KVCacheEventRecorder
-from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
+from sglang.srt.mem_cache.common import free_kv_row_segments  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.events import KVCacheEventRecorder  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # type: ignore[import-not-found,unused-ignore]
 
 import kvcore
 from kvcore.config import CacheInitParams
@@ -84,10 +83,7 @@ class AllocatorView:
         self.sglang = allocator
         self.page_size = int(allocator.page_size)
         self.device = allocator.device
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.sglang.size) // self.page_size
+        self.num_pages = int(allocator.size) // self.page_size
 
     def available_size(self) -> int:
         return int(self.sglang.available_size())
@@ -570,6 +566,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
         cache = _build_kvcore(target, "chunk", params, strict=False)
     else:
         raise UnsupportedContext(
-            f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} cannot build backend {target.backend!r}"
+            f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} "
+            f"cannot build backend {target.backend!r}"
         )
     return KvcoreTreeCache(target, cache, params)

@@ -12,6 +12,9 @@ from array import array
 
 import pytest
 import torch
+from kvcore_sglang import TARGETS
+from kvcore_sglang.plugin import KvcoreFactory, register_with_sglang
+from kvcore_sglang.v0_5_19 import KvcoreTreeCache, UnsupportedContext, owner_of
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -27,9 +30,6 @@ from sglang.srt.plugins import load_plugins
 from sglang.srt.runtime_context import get_context
 
 import kvcore
-from kvcore_sglang import TARGETS
-from kvcore_sglang.plugin import KvcoreFactory, register_with_sglang
-from kvcore_sglang.v0_5_19 import KvcoreTreeCache, UnsupportedContext, owner_of
 
 NAMES = [t.name for t in TARGETS]
 

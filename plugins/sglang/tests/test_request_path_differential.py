@@ -32,6 +32,7 @@ from array import array
 
 import pytest
 import torch
+from kvcore_sglang.v0_5_19 import KvcoreTreeCache, owner_of
 from sglang.srt.managers.schedule_batch import Req, release_req
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache import allocation
@@ -50,8 +51,6 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 import kvcore
-from kvcore_sglang.v0_5_19 import KvcoreTreeCache, owner_of
-
 
 # ---------------------------------------------------------------------------- CPU stand-ins for the Triton kernels
 
@@ -95,7 +94,7 @@ def _cpu_kernels(monkeypatch):
     monkeypatch.setattr(paged, "alloc_decode_kernel", _Launch(_alloc_decode_cpu))
 
 
-# ---------------------------------------------------------------------------- one world: SGLang's pools, a cache, requests
+# ------------------------------------------------------------------ one world: SGLang's pools, a cache, requests
 
 
 class World:
@@ -207,7 +206,8 @@ class World:
         reqs = {}
         for rid, r in sorted(self.reqs.items()):
             kv = r.kv
-            row = [] if kv.req_pool_idx is None else self.r2t.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len].tolist()
+            held = kv.req_pool_idx is not None
+            row = self.r2t.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len].tolist() if held else []
             reqs[rid] = (kv.req_pool_idx, kv.cache_protected_len, kv.kv_committed_len, kv.kv_allocated_len, row,
                          r.prefix_indices.tolist(), list(r.output_ids))
         return {
@@ -372,7 +372,9 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             counts["probe"] += 1
         s0, s1 = ref.state(), ours.state()
         for field in s0:
-            assert s0[field] == s1[field], f"seed {seed} step {step}: {field} differs\nSGLang: {s0[field]}\nkvcore: {s1[field]}"
+            assert s0[field] == s1[field], (
+                f"seed {seed} step {step}: {field} differs\nSGLang: {s0[field]}\nkvcore: {s1[field]}"
+            )
         for w in worlds:
             w.check_memory()
     # Drain: everything finishes, the pools hold only the tree, and SGLang's idle check holds exactly.
