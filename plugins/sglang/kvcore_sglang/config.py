@@ -31,12 +31,9 @@ class Target(BaseModel):
 TARGETS: tuple[Target, ...] = (
     Target(name="kvcore-radix", backend="radix", serves=("full",),
            description="kvcore's radix tree (SGLang's RadixCache) for full-attention models"),
+    Target(name="kvcore-unified", backend="unified", serves=("full",),
+           description="kvcore's unified tree (SGLang's default UnifiedRadixCache), component full, for "
+           "full-attention models"),
     Target(name="kvcore-chunk", backend="chunk", serves=("full",),
            description="no prefix reuse (SGLang's ChunkCache): chunked prefill only"),
-    Target(name="kvcore-swa", backend="swa", serves=("hybrid-swa",),
-           description="kvcore's SWA tree (SGLang's SWARadixCache) for hybrid sliding-window models"),
-    Target(name="kvcore-mamba", backend="mamba", serves=("hybrid-ssm",),
-           description="kvcore's mamba tree (SGLang's MambaRadixCache) for hybrid SSM models"),
-    Target(name="kvcore-unified", backend="unified", serves=("full", "hybrid-swa", "hybrid-ssm"),
-           description="kvcore's unified tree (SGLang's default UnifiedRadixCache): components from the model kind"),
 )

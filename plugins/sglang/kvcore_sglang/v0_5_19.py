@@ -560,6 +560,16 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             # have nothing to record in; key checks stay on.
             strict=False,
         )
+    elif target.backend == "unified":
+        # SGLang's default tree; on a full-attention model its one component is full.
+        cache = _build_kvcore(
+            target, "unified", params,
+            components=("full",),
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            strict=False,
+        )
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")

@@ -46,6 +46,8 @@ from sglang.srt.mem_cache.common import maybe_cache_unfinished_req, release_kv_c
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.plugins import load_plugins
 from sglang.srt.runtime_context import get_context
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -112,7 +114,11 @@ class World:
         init = CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
                                page_size=page_size, **params)
         if kvcore_name is None:
-            self.cache = RadixCache(init) if cache_kind == "radix" else ChunkCache(init)
+            if cache_kind == "unified":
+                init.tree_components = (ComponentType.FULL,)
+                self.cache = UnifiedRadixCache(init)
+            else:
+                self.cache = RadixCache(init) if cache_kind == "radix" else ChunkCache(init)
         else:
             load_plugins()
             with get_context().override_server_args(radix_cache_backend=kvcore_name) as server_args:
@@ -217,7 +223,7 @@ class World:
             "rows": list(self.r2t.free_slots),
             "evictable": cache.evictable_size(),
             "protected": cache.protected_size(),
-            "total": None if cache.is_chunk_cache() else cache.total_size(),
+            "total": None if cache.is_chunk_cache() else full_total(cache),
             "tree": None if cache.is_chunk_cache() else tree_dump(cache.root_node),
             "reqs": reqs,
             "events": [repr(e) for e in cache.take_events()],
@@ -240,6 +246,12 @@ class World:
             kvcore.InvariantChecker(self.cache.kvcore_cache).check(owners=[owner_of(r) for r in self.reqs.values()])
 
 
+def full_total(cache) -> int:
+    total = cache.total_size()
+    # SGLang's UnifiedRadixCache answers (full, swa) tokens.
+    return total[0] if isinstance(total, tuple) else total
+
+
 def tree_dump(root) -> list:
     """Every node as (path of token ids, its slots, lock_ref), children in key order: the same for both trees."""
     out = []
@@ -247,9 +259,13 @@ def tree_dump(root) -> list:
     while stack:
         path, node = stack.pop()
         key = list(node.key.token_ids) if isinstance(node.key, RadixKey) else list(node.key)
-        value = [] if node.value is None or isinstance(node.value, list) else node.value.tolist()
+        data = getattr(node, "component_data", None)
+        # SGLang's unified nodes keep the full value and lock in their FULL component's data.
+        holder = node if data is None else data[ComponentType.FULL]
+        value = [] if holder.value is None or isinstance(holder.value, list) else holder.value.tolist()
         full = path + tuple(key)
-        out.append((full, value, node.lock_ref))
+        # The root is never evicted: SGLang's unified root holds no lock where its RadixCache root holds one.
+        out.append((full, value, holder.lock_ref if node is not root else None))
         for child in node.children.values():
             stack.append((full, child))
     return sorted(out)
@@ -408,6 +424,23 @@ def test_kvcore_radix_matches_sglang_other_eviction_policies(policy):
 def test_kvcore_radix_disable_finished_insert():
     run_stream(3, cache_kind="radix", kvcore_name="kvcore-radix", page_size=4, steps=150,
                disable_finished_insert=True)
+
+
+# Found by this test, left to kvcore-unified (plugins/unified/kvcore_unified/tree.py, evict): with pages, it gives an
+# eviction's slots back in one sorted ``free``, where SGLang's UnifiedRadixCache gives each evicted node back with
+# ``free_segment`` in eviction order (as kvcore's radix does); every answer and size agrees, the free-list order does
+# not, so later allocations get other slots.  Strict: it fails once that is fixed, and this mark must go.
+_UNIFIED_PAGED_ORDER = pytest.mark.xfail(
+    strict=True, reason="kvcore-unified frees a paged eviction in one sorted free(), SGLang per node (free_segment)")
+
+
+@pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=_UNIFIED_PAGED_ORDER)])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kvcore_unified_matches_sglang_unified_radix_cache(seed, page_size):
+    counts = run_stream(seed, cache_kind="unified", kvcore_name="kvcore-unified", page_size=page_size, steps=250,
+                        enable_kv_cache_events=seed % 2 == 0)
+    for what in ("admit", "chunk", "decode", "finish", "retract", "evict", "alloc_evict"):
+        assert counts[what] > 0, counts
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
