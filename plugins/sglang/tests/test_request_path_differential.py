@@ -205,6 +205,10 @@ class World:
         m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), extra_key)))
         return m.device_indices.tolist()
 
+    def dfs_order(self, rids: list[str]) -> list[int]:
+        """The DFS-weight schedule policy's order of these requests (it walks root_node's children)."""
+        return self.cache.dfs_weight_order([self.reqs[r].last_node for r in rids])
+
     # -- what the two worlds must agree on
     def state(self) -> dict:
         a = self.alloc
@@ -386,6 +390,9 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             base = rng.choice(prompts)
             both("probe", base[: rng.randrange(0, len(base) + 1)], rng.choice([None, "lora-a"]))
             counts["probe"] += 1
+            locked = sorted(r for r in ref.reqs if ref.reqs[r].last_node is not None)
+            if locked and not ref.cache.is_chunk_cache():
+                both("dfs_order", locked)
         s0, s1 = ref.state(), ours.state()
         for field in s0:
             assert s0[field] == s1[field], (
