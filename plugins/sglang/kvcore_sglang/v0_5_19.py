@@ -357,8 +357,10 @@ class KvcoreTreeCache(BasePrefixCache):
     backend runs on views of the same objects.
     """
 
-    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
         self.target = target
+        # SGLang's UnifiedRadixCache, disabled, calls itself a chunk cache (its RadixCache does not).
+        self._chunk_when_disabled = chunk_when_disabled
         self.kvcore_cache = kvcore_cache
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -385,7 +387,7 @@ class KvcoreTreeCache(BasePrefixCache):
         return self.kvcore_cache.root_node
 
     def is_chunk_cache(self) -> bool:
-        return bool(self.kvcore_cache.is_chunk_cache())
+        return bool(self.kvcore_cache.is_chunk_cache()) or (self._chunk_when_disabled and self.disable)
 
     # -- lookups
     def _key(self, key: Any) -> kvcore.RadixKey:
@@ -579,4 +581,4 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} "
             f"cannot build backend {target.backend!r}"
         )
-    return KvcoreTreeCache(target, cache, params)
+    return KvcoreTreeCache(target, cache, params, chunk_when_disabled=target.backend == "unified")

@@ -131,3 +131,11 @@ def test_owner_of_reads_sglang_records_under_kvcore_names():
     assert owner.rid == "r" and not owner.kv.is_held and owner.kv.is_released
     req.kv.req_pool_idx = 3
     assert owner.kv.is_held and owner.kv.req_pool_idx == 3
+
+
+def test_metrics_collector_is_sglangs():
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+        cache = create_tree_cache(make_ctx(server_args, enable_metrics=True))
+    assert cache.metrics_collector is not None
+    assert type(cache.metrics_collector).__module__.startswith("sglang.")

@@ -111,8 +111,8 @@ class World:
             self.alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
         else:
             self.alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False)
-        init = CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
-                               page_size=page_size, **params)
+        init = CacheInitParams(disable=params.pop("disable", False), req_to_token_pool=self.r2t,
+                               token_to_kv_pool_allocator=self.alloc, page_size=page_size, **params)
         if kvcore_name is None:
             if cache_kind == "unified":
                 init.tree_components = (ComponentType.FULL,)
@@ -278,7 +278,8 @@ def tree_dump(root) -> list:
 # ---------------------------------------------------------------------------- the random streams
 
 
-def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, steps: int, **params) -> dict:
+def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, steps: int,
+               chunks: tuple[int, ...] = (8, 16, 1000), **params) -> dict:
     rng = random.Random(seed)
     # Small pools: allocation often has to evict (evict_from_tree_cache) and admission to retract.
     size = 112
@@ -340,7 +341,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
                 continue
             waiting.pop(0)
             both("admit", rid)
-            prefilling[rid] = rng.choice([8, 16, 1000])
+            prefilling[rid] = rng.choice(chunks)
             counts["admit"] += 1
         elif op == "chunk":
             rid = rng.choice(sorted(prefilling))
@@ -426,6 +427,17 @@ def test_kvcore_radix_matches_sglang_radix_cache(seed, page_size):
 @pytest.mark.parametrize("policy", ["lfu", "fifo", "priority"])
 def test_kvcore_radix_matches_sglang_other_eviction_policies(policy):
     run_stream(7, cache_kind="radix", kvcore_name="kvcore-radix", page_size=1, steps=200, eviction_policy=policy)
+
+
+@pytest.mark.parametrize("name", ["radix", "unified"])
+def test_disabled_tree_matches_sglang(name):
+    """``disable`` (SGLang's --disable-radix-cache with a registered backend): nothing is matched or kept.
+
+    Whole prompts only: a disabled RadixCache (SGLang's and so kvcore's) keeps no prefix between
+    chunks, since SGLang serves chunked prefill with --disable-radix-cache from a ChunkCache.
+    """
+    run_stream(5, cache_kind=name, kvcore_name=f"kvcore-{name}", page_size=4, steps=120, chunks=(1000,),
+               disable=True)
 
 
 def test_kvcore_radix_disable_finished_insert():
