@@ -487,8 +487,10 @@ def _refuse(target: Target, ctx: Any) -> None:
     kind = "hybrid-ssm" if ctx.is_hybrid_ssm else "hybrid-swa" if ctx.is_hybrid_swa else "full"
     problems = []
     if kind not in target.serves:
-        others = [t for t in _targets_for(kind)]
-        problems.append(f"this is a {kind} model, which {name} does not serve (use {' or '.join(others)})")
+        others = _targets_for(kind)
+        instead = (f"use {' or '.join(others)}" if others else
+                   "no kvcore name serves it yet: leave --radix-cache-backend unset for SGLang's own tree")
+        problems.append(f"this is a {kind} model, which {name} does not serve ({instead})")
     if ctx.enable_hierarchical_cache:
         problems.append("--enable-hierarchical-cache is not supported by kvcore (drop it)")
     if params.is_eagle:
