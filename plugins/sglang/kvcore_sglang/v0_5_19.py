@@ -18,9 +18,10 @@ Three layers:
 
 from __future__ import annotations
 
+import time
 import weakref
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -432,7 +433,7 @@ class KvcoreTreeCache(BasePrefixCache):
 
     # -- eviction and locks
     def evict(self, params: EvictParams) -> EvictResult:
-        start = self._clock()
+        start = time.perf_counter()
         done = self.kvcore_cache.evict(params.num_tokens)
         self.update_eviction_metrics(done.num_tokens_evicted, start)
         self._flush_events()
@@ -466,15 +467,6 @@ class KvcoreTreeCache(BasePrefixCache):
         if self._events is not None:
             self._events.feed(self.kvcore_cache.take_events())
 
-    @staticmethod
-    def _clock() -> float:
-        import time
-
-        return time.perf_counter()
-
-    # -- for kvcore's invariant checker
-    def iter_owners(self, reqs: Sequence[Any]) -> Iterator[Any]:
-        return (owner_of(r) for r in reqs)
 
 
 # ---------------------------------------------------------------------------- factories
