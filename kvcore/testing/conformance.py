@@ -48,9 +48,10 @@ def backend_page_sizes(backend: str) -> tuple[int, ...]:
     A backend whose pools come in one page size (npu: 128) declares it as the
     default of its config model's ``page_size`` field.
     """
-    from kvcore.plugins import available_backends
+    from kvcore.plugins import get_backend
 
-    spec = available_backends()[backend]
+    # BackendNotFound says which plugins did not load and why (a bare KeyError at collection did not).
+    spec = get_backend(backend)
     default = spec.config.model_fields["page_size"].default
     default = int(default) if isinstance(default, int) and default > 0 else 1
     return (1, 16) if default == 1 else (default,)
