@@ -95,6 +95,7 @@ from kvcore.plugins import Kind, Origin, PluginFailure, first_doc_line
 
 if TYPE_CHECKING:
     from kvcore.cache import LockResult, SlotOwner
+    from kvcore.pool_builder import Placement
 
 __all__ = [
     "COMPONENTS",
@@ -123,19 +124,19 @@ class TreeComponent:
     #: True for the sliding-window component: ``dec_swa_lock_only`` releases its lock early.
     window_lock: ClassVar[bool] = False
 
-    # -- options and pools (called on the class, while the cache's config is validated and built) --
+    # -- options and pools (called on the class: while the config is validated; when its pools are built) --
     @staticmethod
     def check_options(config: Any, opts: Any) -> None:
         """Cross-check the component's validated options against the cache's (``size``, ``page_size``, ...)."""
 
     @staticmethod
-    def build_allocator(config: Any, opts: Any) -> Any:
-        """The token allocator the cache needs for this component, or None (the default one)."""
+    def build_allocator(config: Any, opts: Any, at: Placement) -> Any:
+        """The token allocator the cache needs for this component on placement ``at``, or None (the default one)."""
         return None
 
     @staticmethod
-    def build_req_to_token_pool(config: Any, opts: Any) -> Any:
-        """The request table the cache needs for this component, or None (the default one)."""
+    def build_req_to_token_pool(config: Any, opts: Any, at: Placement) -> Any:
+        """The request table the cache needs for this component on placement ``at``, or None (the default one)."""
         return None
 
     def __init__(self, cache: Any, options: BaseModel | None) -> None:

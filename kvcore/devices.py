@@ -7,13 +7,13 @@ A device kind (``cpu``, ``cuda``, a plugin's ``npu``) is a :class:`DeviceSpec`:
   devices, so it imports nothing heavy (``importlib.util.find_spec``, not ``import``).
 * ``resolve(text)``: the ``torch.device`` for ``"cuda:1"`` and the like; heavy imports
   (``torch_npu``) happen here, only when a cache is really built on the device.
-* ``allocator`` / ``kv_pool``: the classes :class:`kvcore.CacheConfig` builds the token
-  allocator and the K/V buffer with (default: :class:`kvcore.pools.TokenToKVPoolAllocator`,
-  :class:`kvcore.pools.MHATokenToKVPool`); the K/V pool's ``set_kv_buffer`` is how K/V is
-  written on this device.  Backends whose config builds its own allocator (SWA's two
-  pools) keep theirs and only take the torch device.
-* ``defaults``: :class:`kvcore.CacheConfig` options the device sets when the caller does
-  not (``{"page_size": 128}``).
+* ``allocator`` / ``kv_pool``: the classes the default :class:`kvcore.pool_builder.PoolBuilder`
+  builds the token allocator and the K/V buffer with (default:
+  :class:`kvcore.pools.TokenToKVPoolAllocator`, :class:`kvcore.pools.MHATokenToKVPool`); the K/V
+  pool's ``set_kv_buffer`` is how K/V is written on this device.  Backends whose builder makes
+  its own allocator (SWA's two pools) keep theirs and only take the torch device.
+* ``defaults``: :class:`kvcore.CacheConfig` options ``create_cache`` sets for the device when
+  the caller does not (``{"page_size": 128}``).
 * ``page_aligned_sessions``: a streaming session reuses only whole pages of a finished
   turn (SGLang's rule for Ascend); see :class:`kvcore.StreamingSession`.
 * ``synchronize(device)``: wait for queued work (the bench times steps with it).

@@ -59,6 +59,7 @@ import pluggy
 from kvcore import hookspecs
 from kvcore.config import CacheConfig
 from kvcore.errors import BackendNotFound, PluginError
+from kvcore.pool_builder import DEFAULT_POOLS, PoolBuilder
 
 if TYPE_CHECKING:
     from kvcore.devices import DeviceSpec
@@ -455,6 +456,8 @@ class BackendSpec:
     plugin: str
     # The backend a benchmark compares this one against by default (None: "radix").
     reference: str | None = None
+    # How its pools are built from its config (kvcore.pool_builder; default: kvcore's own pools).
+    pools: PoolBuilder[Any] = DEFAULT_POOLS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -488,6 +491,7 @@ def _make_backend(
     description: str = "",
     *,
     reference: str | None = None,
+    pools: PoolBuilder[Any] | None = None,
 ) -> BackendSpec:
     if not callable(factory):
         raise PluginError(f"backend {name!r}: factory {factory!r} is not callable")
@@ -501,8 +505,10 @@ def _make_backend(
         raise PluginError(f"backend {name!r}: config must subclass kvcore.CacheConfig, got {config!r}")
     if reference is not None and (not isinstance(reference, str) or not reference):
         raise PluginError(f"backend {name!r}: reference must be a backend name, got {reference!r}")
+    if pools is not None and not isinstance(pools, PoolBuilder):
+        raise PluginError(f"backend {name!r}: pools must be a kvcore.pool_builder.PoolBuilder, got {pools!r}")
     return BackendSpec(name, factory, config, description or first_doc_line(factory), origin.distribution,
-                       origin.version, origin.plugin, reference)
+                       origin.version, origin.plugin, reference, pools or DEFAULT_POOLS)
 
 
 BACKENDS: Kind[BackendSpec] = Kind(
