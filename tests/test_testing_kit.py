@@ -31,12 +31,39 @@ def test_a_kit_assertion_shows_its_values():
     kvcore.InvariantChecker(cache).check([])
 
 
+def _register(name, cls):
+    class Plugin:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(name, cls, config=get_backend("radix").config)
+
+    get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
+    BACKENDS.reset()
+
+
 @pytest.fixture
-def careless_backend():
-    """A radix tree whose dec_lock_ref reads node.lock_ref before checking the node is its own."""
-    base = get_backend("radix").factory if "radix" in BACKENDS.all() else None
-    if base is None:
+def radix_class():
+    """kvcore-radix's class, through the registry, to make buggy backends from; they are unregistered after."""
+    if "radix" not in BACKENDS.all():
         pytest.skip("kvcore-radix is not installed")
+    names: list[str] = []
+    yield get_backend("radix").factory, names
+    for name in names:
+        get_plugin_manager().unregister(name=f"{name}-plugin")
+    BACKENDS.reset()
+
+
+def _kit_fuzz_failure(name: str) -> str:
+    class TestIt(PrefixCacheConformance):
+        backend = name
+
+    with pytest.raises(pytest.fail.Exception) as err:
+        TestIt().test_fuzz(page_size=1)
+    return str(err.value)
+
+
+def test_the_kits_fuzz_test_finds_an_unclean_error(radix_class):
+    base, names = radix_class
 
     class Careless(base):  # type: ignore[misc, valid-type]
         def dec_lock_ref(self, node, lock=None):
@@ -44,29 +71,27 @@ def careless_backend():
                 raise ValueError("not locked")
             return super().dec_lock_ref(node, lock)
 
-    class Plugin:
-        @kvcore.hookimpl
-        def kvcore_register_backends(self, register):
-            register("careless", Careless, config=get_backend("radix").config)
-
-    pm = get_plugin_manager()
-    pm.register(Plugin(), name="careless-plugin")
-    BACKENDS.reset()
-    yield "careless"
-    pm.unregister(name="careless-plugin")
-    BACKENDS.reset()
-
-
-def test_the_kits_fuzz_test_finds_an_unclean_error(careless_backend):
-    class TestCareless(PrefixCacheConformance):
-        backend = careless_backend
-
-    with pytest.raises(pytest.fail.Exception) as err:
-        TestCareless().test_fuzz(page_size=1)
-    message = str(err.value)
+    _register("careless", Careless)
+    names.append("careless")
+    message = _kit_fuzz_failure("careless")
     assert "fuzz failure: backend careless, seed 0" in message
     assert "bad input 'dec_lock_ref foreign node' raised AttributeError" in message
     assert "replay: kvcore fuzz --backend careless" in message
+
+
+def test_the_kits_fuzz_test_finds_ignored_slot_claims(radix_class):
+    base, names = radix_class
+
+    class Trusting(base):  # type: ignore[misc, valid-type]
+        def __init__(self, params):
+            super().__init__(params)
+            self.strict = False  # the bug: strict slot claims ignored whatever the option says
+
+    _register("trusting", Trusting)
+    names.append("trusting")
+    message = _kit_fuzz_failure("trusting")
+    assert "fuzz failure: backend trusting" in message
+    assert "bad input 'insert out-of-range slot' was accepted" in message, message
 
 
 def test_the_kits_fuzz_test_passes_a_sound_backend():
