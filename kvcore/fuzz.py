@@ -364,10 +364,11 @@ class _Driver:
             ("insert float value", insert_with(torch.zeros(ps, dtype=torch.float32)), tree),
             ("match bool key", lambda: inner.match_prefix([True, False] * ps), True),
             ("match negative token", lambda: inner.match_prefix([1, -1]), True),
-            ("match float token", lambda: inner.match_prefix([1.5]), True),
+            # Deliberately ill-typed: the bad inputs a caller may pass.
+            ("match float token", lambda: inner.match_prefix([1.5]), True),  # type: ignore[list-item]
             ("evict -1", lambda: inner.evict(-1), True),
-            ("evict str", lambda: inner.evict("x"), True),
-            ("alloc str", lambda: alloc.alloc("4"), True),
+            ("evict str", lambda: inner.evict("x"), True),  # type: ignore[arg-type]
+            ("alloc str", lambda: alloc.alloc("4"), True),  # type: ignore[arg-type]
             ("alloc negative", lambda: alloc.alloc(-ps), True),
             ("free padding", lambda: alloc.free(torch.zeros(1, dtype=torch.int64)), True),
             ("dec_lock_ref foreign node", lambda: inner.dec_lock_ref(object()), tree),

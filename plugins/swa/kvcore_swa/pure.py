@@ -52,6 +52,7 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams, TreeCacheConfig
 from kvcore.plugins import get_backend
+from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools.allocator import TokenToKVPoolAllocator, split_row_segments
 from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align, floor_align
@@ -135,8 +136,12 @@ class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 class PureSWAChunkConfig(SlidingWindowConfig):
     """Options of ``swa-pure-chunk``: the common options (``size`` is the one pool) and ``sliding_window_size``."""
 
-    def build_allocator(self):
-        return PureSWATokenToKVPoolAllocator(self.size, self.page_size, self.device)
+
+class PureSWAPools(PoolBuilder[PureSWAChunkConfig]):
+    """The pools of ``swa-pure`` and ``swa-pure-chunk``: one window pool (PureSWATokenToKVPoolAllocator)."""
+
+    def allocator(self, config: PureSWAChunkConfig, at: Placement) -> PureSWATokenToKVPoolAllocator:
+        return PureSWATokenToKVPoolAllocator(config.size, config.page_size, at.torch_device)
 
 
 class PureSWAConfig(TreeCacheConfig, PureSWAChunkConfig):

@@ -36,6 +36,7 @@ from kvcore.pools.views import PoolView
 from kvcore_unified.components import LRUValueComponent
 
 if TYPE_CHECKING:
+    from kvcore.pool_builder import Placement
     from kvcore_unified.tree import InsertArgs, UnifiedRadixCache
 
 __all__ = ["MambaComponent", "MambaOptions"]
@@ -64,10 +65,10 @@ class MambaComponent(LRUValueComponent):
         opts.check_state_options(config.page_size)
 
     @staticmethod
-    def build_req_to_token_pool(config: Any, opts: MambaOptions) -> Any:
+    def build_req_to_token_pool(config: Any, opts: MambaOptions, at: Placement) -> Any:
         return opts.build_hybrid_req_to_token_pool(max_num_reqs=config.max_num_reqs,
                                                    max_context_len=config.max_context_len,
-                                                   page_size=config.page_size, device=config.torch_device())
+                                                   page_size=config.page_size, device=at.torch_device)
 
     def __init__(self, cache: Any, options: BaseModel | None) -> None:
         super().__init__(cache, options)
