@@ -410,7 +410,8 @@ class _Driver:
                                             lambda: self.cache.free_window_slots([req])), True))
                 ops.append(("float window floor", self._corrupted(req, "swa_evict_floor", 2.5,
                                                                   lambda: self.cache.free_window_slots([req])), True))
-                ops.append(("pre_lens longer than the batch", lambda: self.cache.free_window_slots([req], [1, 2]), True))
+                ops.append(("pre_lens longer than the batch",
+                            lambda: self.cache.free_window_slots([req], [1, 2]), True))
                 ops.append(("window free on another cache", lambda: other.free_window_slots([req]), True))
             if req in self.decoding:
                 ops.append(("decode batch naming a request twice", lambda: self.engine.decode([req, req]), True))

@@ -17,7 +17,7 @@ RuntimeError: finish or abort that request first (``Engine.abort`` does both).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,6 @@ from kvcore.release import cache_unfinished_req as _dispatch_unfinished
 from kvcore.release import release_kv_cache
 
 if TYPE_CHECKING:
-    from kvcore.pools.views import PoolView
     from kvcore.record import Req
 
 __all__ = ["SessionSlot", "StreamingSession", "SessionNode"]

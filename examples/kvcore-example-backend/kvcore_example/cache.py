@@ -78,12 +78,8 @@ class ExampleCache(BasePrefixCache):
         config = params.config
         if not isinstance(config, ExampleConfig):
             raise TypeError(f"ExampleCache needs an ExampleConfig, got {type(config).__name__}")
+        super().__init__(params)  # pools, page size, config, strict
         self.config = config
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.kv_pool = params.kv_pool
-        self.page_size = int(params.page_size)
-        self.strict = config.strict
         self.disable = config.disable
         self.min_prefix_tokens = config.min_prefix_tokens
         self.policy = resolve_policy(config.eviction_policy)
@@ -178,9 +174,8 @@ class ExampleCache(BasePrefixCache):
         path = self._path(node, "dec_lock_ref")
         check_locked(path, node, "dec_lock_ref")
         if lock is not None:
-            if lock.extras.get("released"):
-                raise ValueError(f"dec_lock_ref: this lock on {node!r} was already given back")
-            lock.extras["released"] = True
+            lock.check_not_released("dec_lock_ref", node)  # the one rule: a lock goes back once
+            lock.released = True
         delta = unlock_path(path)
         self._evictable += delta
         self._protected -= delta
@@ -217,13 +212,9 @@ class ExampleCache(BasePrefixCache):
 
     # -- the request lifecycle ------------------------------------------------------------
 
-    def _check_req_lock(self, req: Req, what: str) -> None:
-        """Refuse a request whose lock is not held in this tree any more, before anything changes."""
-        if req.last_node is None or self.disable:
-            return
-        if isinstance(req.lock, LockResult) and req.lock.extras.get("released"):
-            raise ValueError(f"{what}: request {req.rid!r}'s lock was already given back; nothing was changed")
-        check_locked(self._path(req.last_node, what), req.last_node, what)
+    def check_node_locked(self, node: Any, what: str) -> None:
+        # What the inherited check_req / check_req_lock ask of a tree: a node of ours, its path locked.
+        check_locked(self._path(node, what), node, what)
 
     def _insert_row(self, req: Req, aligned: int) -> InsertResult:
         kv = req.kv
@@ -231,7 +222,7 @@ class ExampleCache(BasePrefixCache):
         return self.insert(RadixKey(req.fill_ids[:aligned], req.extra_key), row[:aligned].to(torch.int64))
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
-        self._check_req_lock(req, "cache_finished_req")
+        self.check_req(req, "cache_finished_req")
         kv = req.kv
         committed, protected = kv.kv_committed_len, kv.cache_protected_len
         aligned = floor_align(committed, self.page_size)
@@ -242,15 +233,12 @@ class ExampleCache(BasePrefixCache):
             # The tree kept [prefix_len, aligned): free the duplicates above what the request's lock already
             # covered, and the unaligned tail.  The over-allocation past committed is release_kv_cache's.
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node, req.lock)
-        req.last_node = None
-        req.lock = None
+        self.release_req_lock(req)
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         if self.disable:
             return
-        self._check_req_lock(req, "cache_unfinished_req")
+        self.check_req(req, "cache_unfinished_req")
         kv = req.kv
         committed, protected = kv.kv_committed_len, kv.cache_protected_len
         aligned = floor_align(committed, self.page_size)

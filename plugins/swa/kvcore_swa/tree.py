@@ -32,7 +32,6 @@ from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult,
 from kvcore.keys import RadixKey, checked_key
 from kvcore.record import floor_align
 from kvcore.tree import (
-    proven_prefix_len,
     KVEventLog,
     LRUList,
     Node,
@@ -48,6 +47,7 @@ from kvcore.tree import (
     next_node_id,
     path_to_root,
     path_values,
+    proven_prefix_len,
     record_removed,
     record_stored,
     request_ids,
@@ -343,7 +343,9 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             value = value[:n]
         if self.strict:
             # prev_prefix_len never narrows the check: only the tree's own slots skip it.
-            lo = proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len) if prev_prefix_len else 0
+            lo = 0
+            if prev_prefix_len:
+                lo = proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len)
             self._check_slots(value, lo, n)
         if swa_evicted_seqlen > prev_prefix_len:
             # The caller says these window slots are gone; make sure they are.
