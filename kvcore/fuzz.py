@@ -381,7 +381,9 @@ class _Driver:
         if free.numel() >= ps and tree:
             # prev_prefix_len must never narrow the slot check (backends without it refuse the argument).
             ops.append(("insert free slots under prev_prefix_len",
-                        lambda: inner.insert(RadixKey(key), free[:ps].clone(), prev_prefix_len=ps), True))
+                        lambda: inner.insert(RadixKey(key), free[:ps].clone(),
+                                             prev_prefix_len=ps),  # type: ignore[call-arg]
+                        True))
         if free.numel() >= ps:
             ops.append(("insert free slots", insert_with(free[:ps].clone()), tree))
             ops.append(("double free", lambda: alloc.free(free[:1].clone()), True))

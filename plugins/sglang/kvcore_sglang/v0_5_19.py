@@ -22,7 +22,7 @@ import time
 import weakref
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium  # type: ignore[import-not-found,unused-ignore]
@@ -521,9 +521,10 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
         options.setdefault("max_context_len", -(-int(r2t.max_context_len) // page_size) * page_size)
     try:
         config = spec.config(page_size=page_size, **options)
+        # SGLang's tree-only RadixCache (its unit tests) has no pools: the radix backend serves it without.
         init = CacheInitParams(
-            req_to_token_pool=None if r2t is None else ReqToTokenPoolView(r2t),
-            token_to_kv_pool_allocator=None if alloc is None else AllocatorView(alloc),
+            req_to_token_pool=cast(Any, None if r2t is None else ReqToTokenPoolView(r2t)),
+            token_to_kv_pool_allocator=cast(Any, None if alloc is None else AllocatorView(alloc)),
             page_size=page_size,
             config=config,
         )

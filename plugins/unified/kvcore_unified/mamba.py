@@ -154,7 +154,7 @@ class MambaComponent(LRUValueComponent):
                 # Its running state would be overwritten by the copy (as the mamba backend refuses).
                 raise ValueError(
                     f"match_prefix(cow_mamba=True): request {req.rid!r} already holds state slot "
-                    f"{int(comp.mamba_pool_idx)}; free it first (nothing was changed)")
+                    f"{comp.mamba_pool_idx!r}; free it first (nothing was changed)")
         best = result.last_device_node
         if comp is not None:
             comp.mamba_branching_seqlen = branching
