@@ -90,7 +90,7 @@ def test_numpy_and_torch_forms_agree(p: int) -> None:
         elif kind == "decode" and isinstance(got[0], list):
             r.append(got[0][0])
     # Both successes and refusals of every kind of call were compared.
-    assert {k for k, err in seen if err} >= {"extend", "free", "claim"}
+    assert {k for k, err in seen if err} >= {"free", "claim"} | ({"extend"} if p > 1 else set())
     assert {k for k, err in seen if not err} >= {"alloc", "extend", "decode", "free", "claim", "disown"}
 
 
