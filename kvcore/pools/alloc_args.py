@@ -45,10 +45,18 @@ def check_need_size(need_size: Any, page_size: int) -> int:
     return need_size
 
 
-def host_lens(x: Any, what: str) -> np.ndarray:
-    """Lengths (a tensor on any device, a sequence of ints) as a host 1-D int64 array; TypeError naming ``what``."""
+def host_lens(x: Any, what: str) -> list[int]:
+    """Lengths (a tensor on any device, a sequence of ints) as a list of ints; TypeError naming ``what``.
+
+    A batch holds a few requests, so the host-side checks run on plain ints: at these sizes
+    that costs less than numpy's per-call overhead.
+    """
+    if type(x) is list and all(type(v) is int for v in x):
+        return x
     try:
-        return cpu_ints(x)
+        if isinstance(x, torch.Tensor | np.ndarray):
+            return [int(v) for v in cpu_ints(x).tolist()]
+        return [operator.index(v) for v in x]
     except TypeError as e:
         raise TypeError(f"{what} must hold integers: {e}") from None
 
@@ -65,20 +73,21 @@ class SlotRequest:
     """A checked ``alloc_extend`` (or ``alloc_decode``: one token per request) of one pool.
 
     ``prefix`` and ``seq`` are the host lengths (the layout of the new slots comes
-    from them, as in SGLang's naive path); ``last_loc`` is of the pool's array form.
+    from them, as in SGLang's naive path); ``last_loc`` is of the pool's array form,
+    ``last_host`` its values on the host once read (None when no request continues a page).
     """
 
-    prefix: np.ndarray
-    seq: np.ndarray
+    prefix: list[int]
+    seq: list[int]
     last_loc: Array
+    last_host: list[int] | None
     num_new_pages: int
     num_tokens: int
     decode: bool
 
     def on(self, pages: FreePageRing, last_loc: Array) -> SlotRequest:
         """The same request on another pool (the window side of SWA), continuing after ``last_loc`` there."""
-        check_continues(pages, self.prefix, self.seq, last_loc)
-        return replace(self, last_loc=last_loc)
+        return replace(self, last_loc=last_loc, last_host=check_continues(pages, self.prefix, self.seq, last_loc))
 
 
 def _check_one_per_request(n: int, **arrays: Any) -> None:
@@ -88,36 +97,33 @@ def _check_one_per_request(n: int, **arrays: Any) -> None:
             raise ValueError(f"{name} has {k} entries for {n} requests")
 
 
-def check_continues(pages: FreePageRing, prefix: np.ndarray, seq: np.ndarray, last_loc: Array) -> None:
+def check_continues(pages: FreePageRing, prefix: list[int], seq: list[int], last_loc: Array) -> list[int] | None:
     """``last_loc[i]`` is where request i's prefix ends, wherever its new tokens continue that page.
 
     A request whose prefix ends inside a page (``prefix % page_size != 0``) gets its
     next slots right after ``last_loc`` in that page: so ``last_loc`` must be a slot
     of this pool (not padding) at the prefix's offset in its page.  Whether the
     request really holds that page is the caller's record, not checked here.
+    Returns ``last_loc`` read to the host, or None where no request continues a page.
     """
     p = pages.page_size
     if p == 1:
-        return
-    rows = np.flatnonzero((prefix % p != 0) & (seq > prefix))
-    if not rows.size:
-        return
-    ops = pages.ops
-    last = last_loc[ops.ints(rows)] if rows.size != len(last_loc) else last_loc
-    want = ops.ints((prefix[rows] - 1) % p)
-    # Valid iff last - want is the first slot of a page 1..num_pages.
-    first = last - want
-    if not ops.any_outside(first, p, pages.size + 1) and not ops.count_nonzero(first % p):
-        return
-    for i in range(rows.size):  # an error: name the first bad entry
-        r, v, w = int(rows[i]), int(last[i]), int(want[i])
-        if not p <= v < pages.size + p:
-            raise ValueError(f"last_loc[{r}]={v} is padding or out of range: valid slots are [{p}, {pages.size + p})"
-                             f" (a prefix of {int(prefix[r])} tokens ends inside a page: its new slots follow last_loc)")
-        if v % p != w:
-            raise ValueError(f"last_loc[{r}]={v} does not end a prefix of {int(prefix[r])} tokens: it is at offset "
-                             f"{v % p} of its page, the prefix ends at offset {w} (page_size {p})")
-    raise AssertionError("unreachable: the fast check found a bad entry")
+        return None
+    hi = pages.size + p
+    last: list[int] | None = None
+    for r, (a, b) in enumerate(zip(prefix, seq)):
+        if a % p == 0 or b <= a:
+            continue  # the new tokens start a page: last_loc is not used
+        if last is None:
+            last = last_loc.tolist()  # one read (a device sync on an accelerator), only when needed
+        v = last[r]
+        if not p <= v < hi:
+            raise ValueError(f"last_loc[{r}]={v} is padding or out of range: valid slots are [{p}, {hi})"
+                             f" (a prefix of {a} tokens ends inside a page: new slots follow last_loc)")
+        if v % p != (a - 1) % p:
+            raise ValueError(f"last_loc[{r}]={v} does not end a prefix of {a} tokens: it is at offset "
+                             f"{v % p} of its page, the prefix ends at offset {(a - 1) % p} (page_size {p})")
+    return last
 
 
 def check_extend(
@@ -133,34 +139,32 @@ def check_extend(
     """``alloc_extend``'s arguments, checked: ValueError (TypeError for non-integers) naming what is wrong."""
     pre = host_lens(prefix_lens_cpu, "prefix_lens_cpu")
     seq = host_lens(seq_lens_cpu, "seq_lens_cpu")
-    if pre.size != seq.size:
-        raise ValueError(f"{pre.size} prefix lengths but {seq.size} sequence lengths")
-    ext = seq - pre
-    if bool((ext < 0).any()) or int(ext.sum()) != extend_num_tokens:
+    if len(pre) != len(seq):
+        raise ValueError(f"{len(pre)} prefix lengths but {len(seq)} sequence lengths")
+    total = sum(seq) - sum(pre)
+    if total != extend_num_tokens or any(b < a for a, b in zip(pre, seq)):
         raise ValueError(
             f"extend_num_tokens={extend_num_tokens} does not match seq_lens - prefix_lens"
-            f" (sum {int(ext.sum())}, all must be >= 0)"
+            f" (sum {total}, all must be >= 0)"
         )
-    p = pages.page_size
     last = native_lens(pages, last_loc, "last_loc")
-    _check_one_per_request(pre.size, prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last)
-    need = int(((seq + p - 1) // p - (pre + p - 1) // p).sum())
+    _check_one_per_request(len(pre), prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last)
+    p = pages.page_size
+    need = sum(-(-b // p) for b in seq) - sum(-(-a // p) for a in pre)
     if num_new_pages is not None and num_new_pages != need:
         raise ValueError(f"num_new_pages={num_new_pages} does not match the lengths ({need} new pages)")
-    check_continues(pages, pre, seq, last)
-    return SlotRequest(pre, seq, last, need, int(extend_num_tokens), decode=False)
+    return SlotRequest(pre, seq, last, check_continues(pages, pre, seq, last), need, total, decode=False)
 
 
 def check_decode(pages: FreePageRing, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> SlotRequest:
     """``alloc_decode``'s arguments, checked: one new token per request, at position ``seq_len - 1``."""
     seq = host_lens(seq_lens_cpu, "seq_lens_cpu")
-    if seq.size and int(seq.min()) < 1:
-        i = int(np.argmin(seq))
-        raise ValueError(f"seq_lens_cpu[{i}]={int(seq[i])} must be >= 1 (it counts the new token)")
+    for i, b in enumerate(seq):
+        if b < 1:
+            raise ValueError(f"seq_lens_cpu[{i}]={b} must be >= 1 (it counts the new token)")
     last = native_lens(pages, last_loc, "last_loc")
-    _check_one_per_request(seq.size, seq_lens=seq_lens, last_loc=last)
-    pre = seq - 1
+    _check_one_per_request(len(seq), seq_lens=seq_lens, last_loc=last)
+    pre = [b - 1 for b in seq]
+    host = check_continues(pages, pre, seq, last)
     p = pages.page_size
-    check_continues(pages, pre, seq, last)
-    need = int((pre % p == 0).sum())
-    return SlotRequest(pre, seq, last, need, int(seq.size), decode=True)
+    return SlotRequest(pre, seq, last, host, sum(1 for a in pre if a % p == 0), len(seq), decode=True)

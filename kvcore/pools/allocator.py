@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from kvcore.pools.alloc_args import Lens, SlotRequest, check_decode, check_extend, check_need_size, checked_count, host_lens
+from kvcore.pools.alloc_args import (
+    Lens,
+    SlotRequest,
+    check_decode,
+    check_extend,
+    check_need_size,
+    checked_count,
+    host_lens,
+)
 from kvcore.pools.array_ops import Array, ArrayOps, ops_for
 from kvcore.pools.batch_alloc import decode_slots, extend_slots
 from kvcore.pools.claims import SlotClaims, SlotOwnership
@@ -268,11 +276,11 @@ class TokenToKVPoolAllocator:
     def num_new_pages_extend(self, prefix_lens_cpu: Lens, seq_lens_cpu: Lens) -> int:
         p = self.page_size
         pre, seq = host_lens(prefix_lens_cpu, "prefix_lens_cpu"), host_lens(seq_lens_cpu, "seq_lens_cpu")
-        return int(((seq + p - 1) // p - (pre + p - 1) // p).sum())
+        return sum(-(-b // p) for b in seq) - sum(-(-a // p) for a in pre)
 
     def num_new_pages_decode(self, seq_lens_cpu: Lens) -> int:
         # The new token sits at seq_len - 1; a page starts there iff that is aligned.
-        return int(((host_lens(seq_lens_cpu, "seq_lens_cpu") - 1) % self.page_size == 0).sum())
+        return sum(1 for b in host_lens(seq_lens_cpu, "seq_lens_cpu") if (b - 1) % self.page_size == 0)
 
     def alloc_extend(
         self,
@@ -292,7 +300,7 @@ class TokenToKVPoolAllocator:
 
     def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
         if self.page_size == 1:
-            return self.alloc(host_lens(seq_lens_cpu, "seq_lens_cpu").size)
+            return self.alloc(len(host_lens(seq_lens_cpu, "seq_lens_cpu")))
         return self.alloc_checked(self.check_decode(seq_lens, seq_lens_cpu, last_loc))
 
     def alloc_checked(self, req: SlotRequest) -> torch.Tensor | None:

@@ -19,18 +19,19 @@ __all__ = ["decode_slots", "extend_slots"]
 def extend_slots(ring: FreePageRing, pages: Array, req: SlotRequest) -> Array:
     """The slots of ``req`` (an extend) given its new ``pages``, in token order."""
     p = ring.page_size
+    ops = ring.ops
     fresh = ring.expand(pages)
-    after = ring.offsets + 1  # 1..p: the slots after last_loc
-    last = req.last_loc
+    last = req.last_host  # read by the argument check wherever a request continues a page
     pieces = []
     used = 0
     # One short piece per request costs less than a vectorised form's ~20 array ops up to
-    # about a hundred requests (benchmarks/bench_allocator.py --op extend).
-    for i, (a, b) in enumerate(zip(req.prefix.tolist(), req.seq.tolist())):
+    # about a hundred requests (benchmarks/bench_allocator.py --batch-calls).
+    for i, (a, b) in enumerate(zip(req.prefix, req.seq)):
         n1 = min(b, -(-a // p) * p) - a
         if n1 > 0:
-            pieces.append(last[i : i + 1] + after[:n1])
-        rest = b - a - max(n1, 0)
+            assert last is not None
+            pieces.append(ops.arange(last[i] + 1, last[i] + 1 + n1))
+        rest = b - a - n1
         if rest > 0:
             pieces.append(fresh[used : used + rest])
             used += -(-rest // p) * p
@@ -41,6 +42,6 @@ def decode_slots(ring: FreePageRing, pages: Array, req: SlotRequest) -> Array:
     """The slot of each request's new token: ``last_loc + 1``, or the next new page where one starts."""
     out = req.last_loc + 1
     if len(pages):
-        opens = ring.ops.ints((req.prefix % ring.page_size == 0).nonzero()[0])
-        out[opens] = pages * ring.page_size
+        p = ring.page_size
+        out[ring.ops.ints([i for i, a in enumerate(req.prefix) if a % p == 0])] = pages * p
     return out

@@ -42,7 +42,7 @@ class SlotOwnership:
         self.pages = pages
         self.device = device
         self._owned_tensor: torch.Tensor | None = None
-        self._owned: Array | None = None
+        self._owned: Array = None  # the native view of the owner map, once made
 
     def owner_map(self) -> torch.Tensor:
         """The owner map as a tensor (padding page 1, a claimed slot non-zero); made on first call."""

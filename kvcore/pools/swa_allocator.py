@@ -115,7 +115,7 @@ class SWATokenToKVPoolAllocator:
 
     def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
         if self.page_size == 1:
-            return self.alloc(host_lens(seq_lens_cpu, "seq_lens_cpu").size)
+            return self.alloc(len(host_lens(seq_lens_cpu, "seq_lens_cpu")))
         return self._alloc_both(self.full_attn_allocator.check_decode(seq_lens, seq_lens_cpu, last_loc))
 
     def _alloc_both(self, req: SlotRequest) -> torch.Tensor | None:
