@@ -112,48 +112,50 @@ def time_call(fn: Callable[[], None], iters: int, device: str, repeat: int,
     return best
 
 
+def batch_calls(reqs: int, device: str) -> dict[str, Callable[[], None]]:
+    """kvcore's alloc_extend, alloc_decode and ownership claims for ``reqs`` requests (page 16, 64k slots)."""
+    p = 16
+    a = TokenToKVPoolAllocator(1 << 16, p, device)
+    held = a.alloc(reqs * 2 * p)
+    assert held is not None
+    # Each request holds two pages: a prefix of p + 5 tokens ends at offset 4 of its second page.
+    pre = [p + 5] * reqs
+    seq = [p + 5 + 40] * reqs
+    last = torch.tensor([int(held[i * 2 * p + p + 4]) for i in range(reqs)], device=device)
+    ext = sum(seq) - sum(pre)
+    # Tokens 21..31 fill the prefix's page; 32..47 and 48..60 take two new pages.
+    new_pages = torch.tensor([i * 40 + k for i in range(reqs) for k in (11, 27)], device=device)
+
+    def extend() -> None:
+        out = a.alloc_extend(pre, pre, seq, seq, last, ext)
+        assert out is not None
+        a.free(out[new_pages])  # one slot of each new page gives the page back
+
+    # Decode: every other request opens a page (its position is page-aligned), the rest continue.
+    dseq = [2 * p + 1 if i % 2 else p + 6 for i in range(reqs)]
+    dlast = torch.tensor([int(held[i * 2 * p + (2 * p - 1 if i % 2 else p + 4)]) for i in range(reqs)],
+                         device=device)
+    opens = torch.tensor([i for i in range(reqs) if i % 2], dtype=torch.int64, device=device)
+
+    def decode() -> None:
+        out = a.alloc_decode(dseq, dseq, dlast)
+        assert out is not None
+        if opens.numel():
+            a.free(out[opens])
+
+    def claim() -> None:
+        a.check_claimable(held, commit=True)
+        a.disown(held)
+
+    return {"extend+free": extend, "decode+free": decode, "claim+disown": claim}
+
+
 def batch_call_rows(device: str, iters: int, repeat: int, clock: Callable[[], float]) -> list[dict[str, Any]]:
-    """kvcore's alloc_extend, alloc_decode and ownership claims on a paged pool (page 16, 64k slots)."""
-    p, size = 16, 1 << 16
     rows = []
     for reqs in (1, 8, 64):
-        a = TokenToKVPoolAllocator(size, p, device)
-        held = a.alloc(reqs * 2 * p)
-        assert held is not None
-        # Each request holds two pages: a prefix of p + 5 tokens ends at offset 4 of its second page.
-        pre = [p + 5] * reqs
-        seq = [p + 5 + 40] * reqs
-        last = torch.tensor([int(held[i * 2 * p + p + 4]) for i in range(reqs)], device=device)
-        ext = sum(seq) - sum(pre)
-        # Tokens 21..31 fill the prefix's page; 32..47 and 48..60 take two new pages.
-        new_pages = torch.tensor([i * 40 + k for i in range(reqs) for k in (11, 27)], device=device)
-
-        def extend() -> None:
-            out = a.alloc_extend(pre, pre, seq, seq, last, ext)
-            assert out is not None
-            a.free(out[new_pages])  # one slot of each new page gives the page back
-
-        # Decode: every other request opens a page (its position is page-aligned), the rest continue.
-        dseq = [2 * p + 1 if i % 2 else p + 6 for i in range(reqs)]
-        dlast = torch.tensor([int(held[i * 2 * p + (2 * p - 1 if i % 2 else p + 4)]) for i in range(reqs)],
-                             device=device)
-        opens = torch.tensor([i for i in range(reqs) if i % 2], dtype=torch.int64, device=device)
-
-        def decode() -> None:
-            out = a.alloc_decode(dseq, dseq, dlast)
-            assert out is not None
-            if opens.numel():
-                a.free(out[opens])
-
-        claim_slots = held[: reqs * 2 * p].clone()
-
-        def claim() -> None:
-            a.check_claimable(claim_slots, commit=True)
-            a.disown(claim_slots)
-
-        for name, fn in (("extend+free", extend), ("decode+free", decode), ("claim+disown", claim)):
-            rows.append({"op": name, "requests": reqs, "kvcore_us": round(time_call(fn, iters, device, repeat,
-                                                                                     clock), 2)})
+        for name, fn in batch_calls(reqs, device).items():
+            us = time_call(fn, iters, device, repeat, clock)
+            rows.append({"op": name, "requests": reqs, "kvcore_us": round(us, 2)})
     return rows
 
 
