@@ -126,16 +126,8 @@ def check_continues(pages: FreePageRing, prefix: list[int], seq: list[int], last
     return last
 
 
-def check_extend(
-    pages: FreePageRing,
-    prefix_lens: Lens,
-    prefix_lens_cpu: Lens,
-    seq_lens: Lens,
-    seq_lens_cpu: Lens,
-    last_loc: Lens,
-    extend_num_tokens: int,
-    num_new_pages: int | None = None,
-) -> SlotRequest:
+def check_extend(pages: FreePageRing, prefix_lens: Lens, prefix_lens_cpu: Lens, seq_lens: Lens, seq_lens_cpu: Lens,
+                 last_loc: Lens, extend_num_tokens: int, num_new_pages: int | None = None) -> SlotRequest:
     """``alloc_extend``'s arguments, checked: ValueError (TypeError for non-integers) naming what is wrong."""
     pre = host_lens(prefix_lens_cpu, "prefix_lens_cpu")
     seq = host_lens(seq_lens_cpu, "seq_lens_cpu")

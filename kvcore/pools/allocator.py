@@ -115,24 +115,6 @@ class TokenToKVPoolAllocator:
         if slots.numel():
             self.pages.checked_pages(self.ops.view(self.as_slots(slots)))
 
-    def check_extend(
-        self,
-        prefix_lens: Lens,
-        prefix_lens_cpu: Lens,
-        seq_lens: Lens,
-        seq_lens_cpu: Lens,
-        last_loc: Lens,
-        extend_num_tokens: int,
-        num_new_pages: int | None = None,
-    ) -> SlotRequest:
-        """``alloc_extend``'s arguments checked against this pool (see :mod:`kvcore.pools.alloc_args`)."""
-        return check_extend(self.pages, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                            extend_num_tokens, num_new_pages)
-
-    def check_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> SlotRequest:
-        """``alloc_decode``'s arguments checked against this pool."""
-        return check_decode(self.pages, seq_lens, seq_lens_cpu, last_loc)
-
     # ---- ownership by a cache ----------------------------------------------
 
     def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None:
@@ -292,8 +274,8 @@ class TokenToKVPoolAllocator:
         extend_num_tokens: int,
         num_new_pages: int | None = None,
     ) -> torch.Tensor | None:
-        req = self.check_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
-                                num_new_pages)
+        req = check_extend(self.pages, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                           extend_num_tokens, num_new_pages)
         if self.page_size == 1:
             return self.alloc(extend_num_tokens)
         return self.alloc_checked(req)
@@ -301,10 +283,10 @@ class TokenToKVPoolAllocator:
     def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
         if self.page_size == 1:
             return self.alloc(len(host_lens(seq_lens_cpu, "seq_lens_cpu")))
-        return self.alloc_checked(self.check_decode(seq_lens, seq_lens_cpu, last_loc))
+        return self.alloc_checked(check_decode(self.pages, seq_lens, seq_lens_cpu, last_loc))
 
     def alloc_checked(self, req: SlotRequest) -> torch.Tensor | None:
-        """The slots of a checked batch call (``check_extend`` / ``check_decode``), or None when short."""
+        """The slots of a batch call checked on this pool (:mod:`kvcore.pools.alloc_args`), or None when short."""
         if req.num_new_pages > self.pages.count:
             return None
         pages = self.pages.peek(req.num_new_pages)

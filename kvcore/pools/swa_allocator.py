@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvcore.pools.alloc_args import Lens, SlotRequest, check_need_size, host_lens
+from kvcore.pools.alloc_args import Lens, SlotRequest, check_decode, check_extend, check_need_size, host_lens
 from kvcore.pools.allocator import TokenToKVPoolAllocator
 from kvcore.pools.array_ops import Array, ops_for
 from kvcore.pools.row_segments import split_row_segments, trim_row_segments
@@ -106,9 +106,8 @@ class SWATokenToKVPoolAllocator:
         last_loc: Lens,
         extend_num_tokens: int,
     ) -> torch.Tensor | None:
-        req = self.full_attn_allocator.check_extend(
-            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens
-        )
+        req = check_extend(self.full_attn_allocator.pages, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+                           last_loc, extend_num_tokens)
         if self.page_size == 1:
             return self.alloc(extend_num_tokens)
         return self._alloc_both(req)
@@ -116,7 +115,7 @@ class SWATokenToKVPoolAllocator:
     def alloc_decode(self, seq_lens: Lens, seq_lens_cpu: Lens, last_loc: Lens) -> torch.Tensor | None:
         if self.page_size == 1:
             return self.alloc(len(host_lens(seq_lens_cpu, "seq_lens_cpu")))
-        return self._alloc_both(self.full_attn_allocator.check_decode(seq_lens, seq_lens_cpu, last_loc))
+        return self._alloc_both(check_decode(self.full_attn_allocator.pages, seq_lens, seq_lens_cpu, last_loc))
 
     def _alloc_both(self, req: SlotRequest) -> torch.Tensor | None:
         """A checked batch call on both sides; None (nothing taken) unless both have the pages."""
@@ -154,17 +153,25 @@ class SWATokenToKVPoolAllocator:
 
     def free(self, free_index: Any) -> None:
         """Full side and (where still mapped) window side."""
+        slots = self._now_or_in_group(free_index, self._group)
+        if slots is not None:
+            # The full side checks range and double frees; the window slots are then the ones
+            # this allocator mapped to those full slots, so they need no second check.
+            self._free_mapped_window(self.full_attn_allocator.release(slots))
+
+    def _now_or_in_group(self, free_index: Any, pending: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """The full slots of a free to apply now, or None: none given, or checked and kept in
+        ``pending`` until the free group ends (the caller may reuse its tensor: a copy)."""
         full = self.full_attn_allocator
         slots = full.as_slots(free_index)
         if slots.numel() == 0:
-            return
+            return None
         if self._group is not None:
+            assert pending is not None
             full.check_free(slots)
-            self._group.append(slots.clone())
-            return
-        # The full side checks range and double frees; the window slots are then the ones
-        # this allocator mapped to those full slots, so they need no second check.
-        self._free_mapped_window(full.release(slots))
+            pending.append(slots.clone())
+            return None
+        return slots
 
     def free_segments(self, segments: Sequence[tuple[Any, int]]) -> None:
         """Free ascending ``(slots, start_pos)`` pieces of one row, each as a ``free``.
@@ -208,15 +215,9 @@ class SWATokenToKVPoolAllocator:
 
     def free_full(self, free_index: Any) -> None:
         """Full side only: the caller already released the window side."""
-        full = self.full_attn_allocator
-        slots = full.as_slots(free_index)
-        if slots.numel() == 0:
-            return
-        if self._group is not None:
-            full.check_free(slots)
-            self._full_group.append(slots.clone())
-            return
-        full.free(slots)
+        slots = self._now_or_in_group(free_index, self._full_group)
+        if slots is not None:
+            self.full_attn_allocator.free(slots)
 
     def free_swa(self, free_index: Any) -> None:
         """Window side only; full slots without a window slot are skipped."""
