@@ -113,7 +113,9 @@ class TokenToKVPoolAllocator:
     def check_free(self, slots: torch.Tensor) -> None:
         """ValueError, changing nothing, unless ``free(slots)`` would succeed now."""
         if slots.numel():
-            self.pages.checked_pages(self.ops.view(self.as_slots(slots)))
+            s = self.ops.view(self.as_slots(slots))
+            self.pages.checked_pages(s)
+            self.claims.check_unclaimed(s)
 
     # ---- ownership by a cache ----------------------------------------------
 
@@ -160,15 +162,17 @@ class TokenToKVPoolAllocator:
             return
         if self._group is not None:
             # Checked now for an early error; the caller may reuse its tensor, so keep a copy.
-            self.pages.checked_pages(self.ops.view(slots))
+            self.check_free(slots)
             self._group.append(slots.clone())
             return
-        self.pages.release(self.ops.view(slots))
+        self.release(slots)
 
     def release(self, slots: torch.Tensor) -> Array:
         """``free`` of a non-empty int64 slot tensor outside a free group; returns the pages given back
         (distinct, of this pool's array form): what a pool mapped onto this one frees alongside."""
-        return self.pages.release(self.ops.view(slots))
+        s = self.ops.view(slots)
+        self.claims.check_unclaimed(s)
+        return self.pages.release(s)
 
     def free_segment(self, free_index: Any, *, start_pos: int = 0) -> None:
         """Free ``row[start_pos : start_pos + n]`` of one request (or a page-aligned tree value).
@@ -184,6 +188,7 @@ class TokenToKVPoolAllocator:
             return
         s = self.ops.view(slots)
         self.pages.check_range(s)
+        self.claims.check_unclaimed(s)
         pages = self.pages.segment_pages(s, start_pos)
         if self._group is not None:
             self.pages.checked_page_ids(pages)
@@ -211,6 +216,7 @@ class TokenToKVPoolAllocator:
         views = [(self.ops.view(sl), st) for sl, st in pieces]
         for s, _ in views:
             self.pages.check_range(s)
+            self.claims.check_unclaimed(s)
         pages = [self.pages.segment_pages(s, st) for s, st in views]
         if self._group is not None:
             self.pages.checked_page_ids(self.ops.cat(pages))

@@ -102,6 +102,22 @@ class SlotOwnership:
         q = self.pages.ops.sort(s)
         raise ValueError(f"{what}: slot {int(q[1:][q[1:] == q[:-1]][0])} appears twice in one value")
 
+    def check_unclaimed(self, s: Array) -> None:
+        """ValueError unless no slot of ``s`` (non-empty) is claimed: a cache's slot is freed only
+        after the cache disowns it, so a free cannot take back what a tree node still holds.
+        Out-of-range ids are left to the free's own range check."""
+        owned = self._owned
+        if owned is None:
+            return  # nothing was ever claimed (``strict=False``, or no tree on this pool)
+        ops = self.pages.ops
+        p = self.pages.page_size
+        if ops.any_outside(s, p, len(owned)):
+            s = s[(s >= p) & (s < len(owned))]
+        taken = owned[s] != 0
+        if bool(taken.any()):
+            raise ValueError(f"slot {int(s[taken][0])} is owned by a tree node of the cache: "
+                             "the cache disowns a slot before it is freed (use after free)")
+
     def claim_unchecked(self, s: Array) -> None:
         if len(s):
             if self._owned is None:
