@@ -110,19 +110,17 @@ def check_continues(pages: FreePageRing, prefix: list[int], seq: list[int], last
     if p == 1:
         return None
     hi = pages.size + p
-    last: list[int] | None = None
-    for r, (a, b) in enumerate(zip(prefix, seq)):
-        if a % p == 0 or b <= a:
-            continue  # the new tokens start a page: last_loc is not used
-        if last is None:
-            last = last_loc.tolist()  # one read (a device sync on an accelerator), only when needed
-        v = last[r]
+    if all(a % p == 0 or b <= a for a, b in zip(prefix, seq)):
+        return None  # every request's new tokens start a page: last_loc is not used
+    last: list[int] = last_loc.tolist()  # one read (a device sync on an accelerator)
+    for r, (a, b, v) in enumerate(zip(prefix, seq, last)):
+        if a % p == 0 or b <= a or (p <= v < hi and v % p == (a - 1) % p):
+            continue
         if not p <= v < hi:
             raise ValueError(f"last_loc[{r}]={v} is padding or out of range: valid slots are [{p}, {hi})"
                              f" (a prefix of {a} tokens ends inside a page: new slots follow last_loc)")
-        if v % p != (a - 1) % p:
-            raise ValueError(f"last_loc[{r}]={v} does not end a prefix of {a} tokens: it is at offset "
-                             f"{v % p} of its page, the prefix ends at offset {(a - 1) % p} (page_size {p})")
+        raise ValueError(f"last_loc[{r}]={v} does not end a prefix of {a} tokens: it is at offset "
+                         f"{v % p} of its page, the prefix ends at offset {(a - 1) % p} (page_size {p})")
     return last
 
 
@@ -134,7 +132,7 @@ def check_extend(pages: FreePageRing, prefix_lens: Lens, prefix_lens_cpu: Lens, 
     if len(pre) != len(seq):
         raise ValueError(f"{len(pre)} prefix lengths but {len(seq)} sequence lengths")
     total = sum(seq) - sum(pre)
-    if total != extend_num_tokens or any(b < a for a, b in zip(pre, seq)):
+    if total != extend_num_tokens or any(map(operator.lt, seq, pre)):
         raise ValueError(
             f"extend_num_tokens={extend_num_tokens} does not match seq_lens - prefix_lens"
             f" (sum {total}, all must be >= 0)"
@@ -142,7 +140,7 @@ def check_extend(pages: FreePageRing, prefix_lens: Lens, prefix_lens_cpu: Lens, 
     last = native_lens(pages, last_loc, "last_loc")
     _check_one_per_request(len(pre), prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last)
     p = pages.page_size
-    need = sum(-(-b // p) for b in seq) - sum(-(-a // p) for a in pre)
+    need = sum([(b + p - 1) // p - (a + p - 1) // p for a, b in zip(pre, seq)])
     if num_new_pages is not None and num_new_pages != need:
         raise ValueError(f"num_new_pages={num_new_pages} does not match the lengths ({need} new pages)")
     return SlotRequest(pre, seq, last, check_continues(pages, pre, seq, last), need, total, decode=False)

@@ -38,6 +38,10 @@ class ArrayOps:
         """Lengths or slot ids given as a tensor or a sequence: a native 1-D int64 array."""
         raise NotImplementedError
 
+    def of(self, values: list[int]) -> Array:
+        """A native int64 array of plain ints the pool code computed itself (no checks)."""
+        raise NotImplementedError
+
     def arange(self, start: int, stop: int) -> Array:
         raise NotImplementedError
 
@@ -50,6 +54,13 @@ class ArrayOps:
 
     def unique(self, a: Array) -> Array:
         """The distinct values, ascending."""
+        raise NotImplementedError
+
+    def cumsum(self, a: Array) -> Array:
+        raise NotImplementedError
+
+    def repeat(self, a: Array, counts: Array, total: int) -> Array:
+        """Each ``a[i]`` ``counts[i]`` times (``total`` = the sum of the counts)."""
         raise NotImplementedError
 
     def sort(self, a: Array) -> Array:
@@ -114,6 +125,9 @@ class NumpyOps(ArrayOps):
     def ints(self, x: Any) -> np.ndarray:
         return cpu_ints(x)
 
+    def of(self, values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
     def arange(self, start: int, stop: int) -> np.ndarray:
         return np.arange(start, stop, dtype=np.int64)
 
@@ -134,6 +148,12 @@ class NumpyOps(ArrayOps):
             np.not_equal(q[1:], q[:-1], out=keep[1:])
             q = q[keep]
         return q
+
+    def cumsum(self, a: np.ndarray) -> np.ndarray:
+        return np.cumsum(a)
+
+    def repeat(self, a: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
+        return np.repeat(a, counts)
 
     def sort(self, a: np.ndarray) -> np.ndarray:
         return np.sort(a)
@@ -178,6 +198,9 @@ class TorchOps(ArrayOps):
             cpu_ints(x)  # raises, naming the dtype, when the values are not integers
         return t
 
+    def of(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
     def arange(self, start: int, stop: int) -> torch.Tensor:
         return torch.arange(start, stop, dtype=torch.int64, device=self.device)
 
@@ -191,6 +214,12 @@ class TorchOps(ArrayOps):
 
     def unique(self, a: torch.Tensor) -> torch.Tensor:
         return torch.unique(a)
+
+    def cumsum(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(a, 0)
+
+    def repeat(self, a: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+        return torch.repeat_interleave(a, counts, output_size=total)  # output_size: no device read-back
 
     def sort(self, a: torch.Tensor) -> torch.Tensor:
         return torch.sort(a).values
