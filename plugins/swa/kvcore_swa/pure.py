@@ -106,7 +106,7 @@ class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
         """The identity: a slot is its own window slot."""
-        return self._as_slots(indices)
+        return self.as_slots(indices)
 
     def free_swa(self, free_index: Any) -> None:
         """The window free: the slots go back to the pool."""
@@ -114,9 +114,7 @@ class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     def free_full(self, free_index: Any) -> None:
         """No full side: nothing to give back (SGLang's rule); the slots are only range-checked."""
-        slots = self._as_slots(free_index)
-        if slots.numel():
-            self._check_range(slots)
+        self.check_in_range(self.as_slots(free_index))
 
     def free_row_segments(
         self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
