@@ -1,0 +1,158 @@
+"""The options of ``kvcore bench`` as one pydantic model: ranges, choices and the checks between them.
+
+Everything here is checked before a plugin loads or a pool is allocated; what needs the
+installed backends (names, their config fields, defaults) is :mod:`kvcore.bench.plan`.
+A field's error names the command-line option (``--pre-alloc-size``, not
+``pre_alloc_size``): :func:`kvcore.backend_options.format_validation_error` with the
+command's flags.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["BenchOptions", "MAX_SLOTS", "MAX_ROWS", "MAX_REQUESTS", "MAX_TRANSFER_STEPS", "MAX_PAGE_SIZE",
+           "DEFAULT_SIZE", "RETRACT_MODES"]
+
+# Slot ids live in int32 req_to_token rows; more rows than this is no engine's batch.
+MAX_SLOTS = 2**31 - 2**16
+MAX_ROWS = 2**20
+MAX_REQUESTS = 10**7
+# A transfer step is a scheduler step; beyond this a pd-decode run waits (idle) for a very long time.
+MAX_TRANSFER_STEPS = 10_000
+MAX_PAGE_SIZE = 2**16
+DEFAULT_SIZE = 65536
+RETRACT_MODES = ("recompute", "offload")
+
+_INT64 = 2**63
+
+Positive = Annotated[int, Field(ge=1)]
+
+
+class BenchOptions(BaseModel):
+    """What ``kvcore bench`` was asked for, checked; ``None`` means "the default" where that depends on the run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: list[str] = Field(default_factory=list)
+    compare: str | None = None
+    device: str = "cpu"
+    workload: str | None = None
+    trace: str | None = None
+    seed: int = Field(0, ge=-_INT64, lt=_INT64)
+    num_requests: int | None = Field(None, ge=1, le=MAX_REQUESTS)
+    as_json: bool = False
+    markdown: bool = False
+    plot: str | None = None
+    check_every: int = Field(0, ge=0)
+    size: int | None = Field(None, ge=1, le=MAX_SLOTS)
+    model: str | None = None
+    kv_budget: str | None = None
+    swa_full_tokens_ratio: float = Field(0.8, gt=0, le=1, allow_inf_nan=False)
+    release_window_lock: bool = False
+    retract_mode: str = "recompute"
+    pre_alloc_size: int = Field(0, ge=0, le=MAX_ROWS)
+    transfer_steps: int = Field(4, ge=0, le=MAX_TRANSFER_STEPS)
+    page_size: int | None = Field(None, ge=1, le=MAX_PAGE_SIZE)
+    max_num_reqs: int = Field(128, ge=1, le=MAX_ROWS)
+    chunk_size: int = Field(2048, ge=1, le=MAX_SLOTS)
+    window: int | None = Field(None, ge=1, le=MAX_SLOTS)
+    swa_size: int | None = Field(None, ge=1, le=MAX_SLOTS)
+    swa_interval: int = Field(128, ge=1, le=MAX_SLOTS)
+    sessions: bool | None = None
+    eviction_policy: str | None = None
+    step_ms: float = Field(20.0, gt=0, allow_inf_nan=False)
+    reference: str | None = None
+    no_reference: bool = False
+    write_kv: bool | None = None
+    show_progress: bool | None = None
+    topk_locality: float = Field(0.5, ge=0, le=1, allow_inf_nan=False)
+    backend_opt: list[str] = Field(default_factory=list)
+
+    @field_validator("retract_mode")
+    @classmethod
+    def _retract_mode(cls, value: str) -> str:
+        if value not in RETRACT_MODES:
+            raise ValueError(f"choose one of {', '.join(RETRACT_MODES)}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None) -> str | None:
+        if value is not None:
+            from kvcore.bench.sizing import MODELS
+
+            if value not in MODELS:
+                raise ValueError(f"unknown model; choose one of: {', '.join(MODELS)}")
+        return value
+
+    @field_validator("kv_budget")
+    @classmethod
+    def _kv_budget(cls, value: str | None) -> str | None:
+        if value is not None:
+            from kvcore.bench.sizing import parse_bytes
+
+            parse_bytes(value)  # a ValueError that says what a size looks like
+        return value
+
+    @field_validator("plot")
+    @classmethod
+    def _plot(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_plot_target(value)
+        return value
+
+    @model_validator(mode="after")
+    def _together(self) -> BenchOptions:
+        if self.model is None and self.kv_budget is not None:
+            raise ValueError("--kv-budget sizes pools for a --model: name one (e.g. --model gemma-3-27b)")
+        if self.model is not None and (self.size is not None or self.swa_size is not None):
+            raise ValueError("--model sizes the pools from --kv-budget: drop --size/--swa-size, or drop --model")
+        if self.max_num_reqs + self.pre_alloc_size > MAX_ROWS:
+            raise ValueError(
+                f"--max-num-reqs {self.max_num_reqs:,} + --pre-alloc-size {self.pre_alloc_size:,} is more than "
+                f"{MAX_ROWS:,} req_to_token rows"
+            )
+        if self.page_size is not None and self.chunk_size % self.page_size:
+            raise ValueError(f"--chunk-size {self.chunk_size} is not a multiple of --page-size {self.page_size}")
+        if self.as_json and self.markdown:
+            raise ValueError("--json and --markdown both choose the output: give one")
+        return self
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        """The --model budget in bytes (its default when --model is given alone); None without --model."""
+        if self.model is None:
+            return None
+        from kvcore.bench.sizing import DEFAULT_KV_BUDGET, parse_bytes
+
+        return parse_bytes(self.kv_budget) if self.kv_budget is not None else DEFAULT_KV_BUDGET
+
+
+def check_plot_target(plot: str) -> None:
+    """Refuse a --plot target that cannot be written, before the benchmark runs.
+
+    Writability is tried, not read from the mode bits: ``os.access`` says yes to root on a
+    read-only mount, and the run would fail only at the end.
+    """
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    if not plot.lower().endswith(".png"):
+        raise ValueError(f"writes a PNG: give a file name ending in .png, not {plot!r}")
+    target = Path(plot)
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} does not exist")
+    if target.is_dir():
+        raise ValueError(f"{plot!r} is a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvcore-plot-", suffix=".png"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"folder {str(folder)!r} is not writable ({exc.strerror or exc})") from None
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("needs matplotlib: pip install matplotlib")
