@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     from kvcore.commands.errors import EXIT_USAGE, report_exception
 
     try:
-        app(args=argv, prog_name="kvcore", standalone_mode=False)
+        # Outside standalone mode a command's typer.Exit comes back as the return value.
+        status = app(args=argv, prog_name="kvcore", standalone_mode=False)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
@@ -49,4 +50,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE if exc.exit_code == 2 else exc.exit_code)
     except Exception as exc:
         sys.exit(report_exception(exc))
+    if isinstance(status, int) and status:
+        sys.exit(status)
 

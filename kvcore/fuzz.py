@@ -120,7 +120,10 @@ def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, 
             error = str(exc)
             continue
         return kwargs
-    raise ConfigError(f"backend {backend!r}: no small configuration for the fuzz validates: {error}")
+    given = ([f"--page-size {page_size}"] if page_size is not None else []) + [
+        f"--backend-opt {k}={v}" for k, v in extra.items()]
+    what = f"backend {backend!r}" + (f" with {' '.join(given)}" if given else "")
+    raise ConfigError(f"{what}: no small configuration for the fuzz validates: {error}")
 
 
 class _Driver:

@@ -51,8 +51,12 @@ def flags() -> dict[str, str]:
     out: dict[str, str] = {}
     for name, hint in typing.get_type_hints(bench, include_extras=True).items():
         for meta in typing.get_args(hint)[1:]:
-            if isinstance(meta, OptionInfo) and meta.param_decls:
-                out[name] = max((d.split("/")[0] for d in meta.param_decls), key=len)
+            if not isinstance(meta, OptionInfo):
+                continue
+            # With Annotated, typer keeps the first declaration in ``default``.
+            decls = [d for d in (meta.default, *meta.param_decls) if isinstance(d, str) and d.startswith("-")]
+            if decls:
+                out[name] = max((d.split("/")[0] for d in decls), key=len)
     return out
 
 

@@ -50,7 +50,7 @@ class BenchOptions(BaseModel):
     size: int | None = Field(None, ge=1, le=MAX_SLOTS)
     model: str | None = None
     kv_budget: str | None = None
-    swa_full_tokens_ratio: float = Field(0.8, gt=0, le=1, allow_inf_nan=False)
+    swa_full_tokens_ratio: float = Field(0.8, allow_inf_nan=False)
     release_window_lock: bool = False
     retract_mode: str = "recompute"
     pre_alloc_size: int = Field(0, ge=0, le=MAX_ROWS)
@@ -68,8 +68,22 @@ class BenchOptions(BaseModel):
     no_reference: bool = False
     write_kv: bool | None = None
     show_progress: bool | None = None
-    topk_locality: float = Field(0.5, ge=0, le=1, allow_inf_nan=False)
+    topk_locality: float = Field(0.5, allow_inf_nan=False)
     backend_opt: list[str] = Field(default_factory=list)
+
+    @field_validator("swa_full_tokens_ratio")
+    @classmethod
+    def _ratio(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError("must lie in (0, 1]: window-pool tokens per full-pool token")
+        return value
+
+    @field_validator("topk_locality")
+    @classmethod
+    def _locality(cls, value: float) -> float:
+        if not 0 <= value <= 1:
+            raise ValueError("must lie in [0, 1]: the share of a top-k selection that is the most recent tokens")
+        return value
 
     @field_validator("retract_mode")
     @classmethod

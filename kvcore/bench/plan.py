@@ -127,6 +127,12 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
     if workload not in WORKLOADS:
         raise OptionError(f"--workload {workload!r}: choose one of: {', '.join(WORKLOADS)}")
     check_device(opts.device)
+    if opts.eviction_policy is not None:
+        from kvcore.plugins import available_eviction_policies
+
+        known = available_eviction_policies()
+        if opts.eviction_policy.lower() not in known:
+            raise OptionError(f"--eviction-policy {opts.eviction_policy!r}: choose one of {', '.join(known)}")
 
     run_names = list(names)
     with_reference = False
@@ -218,7 +224,12 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
 
 
 def _route_options(opts: BenchOptions, plan: BenchPlan, configs: dict[str, type[BaseModel]]) -> None:
-    """--backend-opt and the bench options that are a backend field: to every backend that takes them."""
+    """--backend-opt and the bench options that are a backend field: to every backend that takes them.
+
+    The bench sets a field of BENCH_MANAGED itself for a backend whose config declares it (from
+    --size, --window, ...); --backend-opt may give it only to a backend that does not declare it
+    (the unified backend's component options, such as the swa component's sliding_window_size).
+    """
     given = [(flag, key, val) for flag, key, val in (
         ("--eviction-policy", "eviction_policy", opts.eviction_policy),
         ("--window", "sliding_window_size", opts.window),
@@ -226,16 +237,16 @@ def _route_options(opts: BenchOptions, plan: BenchPlan, configs: dict[str, type[
         ("--pre-alloc-size", "pre_alloc_size", opts.pre_alloc_size or None),
     ) if val is not None]
     for flag, key, val in given:
-        _note_takers(f"{flag} {val}", key, plan, configs)
+        _note_takers(f"{flag} {val}", key, plan, configs, declared=True)
     for target, key, value in parse_backend_opts(opts.backend_opt):
-        flag = BENCH_MANAGED.get(key, "")
-        if key in BENCH_MANAGED:
-            raise OptionError(f"--backend-opt {key}: the bench sets {key} itself"
-                              + (f"; use {flag}" if flag else ""))
+        if target is not None and target not in configs:
+            raise OptionError(f"--backend-opt {target}:{key}: {target!r} is not a backend of this run "
+                              f"({', '.join(plan.run_names)})")
+        names = [target] if target is not None else plan.run_names
+        if key in BENCH_MANAGED and any(key in configs[n].model_fields for n in names):
+            flag = BENCH_MANAGED[key]
+            raise OptionError(f"--backend-opt {key}: the bench sets {key} itself" + (f"; use {flag}" if flag else ""))
         if target is not None:
-            if target not in configs:
-                raise OptionError(f"--backend-opt {target}:{key}: {target!r} is not a backend of this run "
-                                  f"({', '.join(plan.run_names)})")
             if not _takes(configs[target], key):
                 raise OptionError(f"--backend-opt {target}:{key}: backend {target!r} takes no option {key!r} "
                                   f"(its options: {', '.join(configs[target].model_fields)})")
@@ -245,8 +256,12 @@ def _route_options(opts: BenchOptions, plan: BenchPlan, configs: dict[str, type[
             plan.backend_options.setdefault(name, {})[key] = value
 
 
-def _note_takers(what: str, key: str, plan: BenchPlan, configs: dict[str, type[BaseModel]]) -> list[str]:
-    takers = [n for n in plan.run_names if _takes(configs[n], key)]
+def _note_takers(what: str, key: str, plan: BenchPlan, configs: dict[str, type[BaseModel]],
+                 declared: bool = False) -> list[str]:
+    """The backends of the run that take ``key`` (``declared``: as a field of their config, the only way the
+    bench passes its own options); names the others in a note, and refuses an option no backend takes."""
+    takers = [n for n in plan.run_names
+              if (key in configs[n].model_fields if declared else _takes(configs[n], key))]
     others = [n for n in plan.run_names if n not in takers]
     if not takers:
         raise OptionError(f"{what}: no backend of this run ({', '.join(plan.run_names)}) takes option {key!r}")

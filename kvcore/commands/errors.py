@@ -22,7 +22,7 @@ was running.  ``KVCORE_DEBUG=1`` shows the traceback of a user error too.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import inspect
 import os
 import sys
 import traceback
@@ -41,7 +41,8 @@ EXIT_USAGE = 2
 EXIT_LEAK = 3
 DEBUG_ENV = "KVCORE_DEBUG"
 
-_running: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvcore_running_backend", default=None)
+# The exception that last escaped a running_backend block, and that backend's name.
+_escaped: list[tuple[BaseException, str]] = []
 
 
 class UsageError(KvcoreError, ValueError):
@@ -67,11 +68,11 @@ def usage_phase() -> Iterator[None]:
 @contextlib.contextmanager
 def running_backend(name: str) -> Iterator[None]:
     """Name the backend that is running, for the report of a bug that escapes."""
-    token = _running.set(name)
     try:
         yield
-    finally:
-        _running.reset(token)
+    except BaseException as exc:
+        _escaped[:] = [(exc, name)]
+        raise
 
 
 def _is_bug(exc: BaseException) -> BaseException | None:
@@ -99,20 +100,24 @@ def _where(exc: BaseException) -> str:
 
     from kvcore.plugins import available_backends
 
-    owners: dict[str, list[str]] = {}
+    owners: dict[str, list[str]] = {}  # distribution -> its backends
+    packages: dict[str, set[str]] = {}  # top-level package -> distributions
     for spec in available_backends().values():
-        if spec.distribution != "kvcore":
-            owners.setdefault(spec.distribution, []).append(spec.name)
+        if spec.distribution == "kvcore":
+            continue
+        owners.setdefault(spec.distribution, []).append(spec.name)
+        module = inspect.getmodule(spec.factory)
+        if module is not None:
+            packages.setdefault(module.__name__.split(".")[0], set()).add(spec.distribution)
     if owners:
-        by_package = packages_distributions()
-        frames = list(traceback.walk_tb(exc.__traceback__))
-        for frame, lineno in reversed(frames):
-            module = str(frame.f_globals.get("__name__", ""))
-            for dist in by_package.get(module.split(".")[0], []):
-                if dist in owners:
-                    names = ", ".join(owners[dist])
-                    return (f"backend {names} (distribution {dist}, {frame.f_code.co_filename}:{lineno}); "
-                            "report it to its authors with the traceback above")
+        for package, dists in packages_distributions().items():
+            packages.setdefault(package, set()).update(d for d in dists if d in owners)
+        for frame, lineno in reversed(list(traceback.walk_tb(exc.__traceback__))):
+            package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+            for dist in sorted(packages.get(package, ())):
+                names = ", ".join(owners[dist])
+                return (f"backend {names} (distribution {dist}, {frame.f_code.co_filename}:{lineno}); "
+                        "report it to its authors with the traceback above")
     return "kvcore; please report it with the traceback above"
 
 
@@ -130,7 +135,7 @@ def report_exception(exc: BaseException) -> int:
             isinstance(exc, ConfigError) and exc.__cause__ is None)
         return EXIT_USAGE if usage else EXIT_RUNTIME
     traceback.print_exception(bug, file=sys.stderr)
-    running = _running.get()
+    running = next((name for escaped, name in _escaped if escaped is exc or escaped is bug), None)
     during = f" while running backend {running!r}" if running else ""
     print(f"kvcore: internal error{during}: {type(bug).__name__}: {bug}. This is a bug in {_where(bug)}.",
           file=sys.stderr)
