@@ -15,7 +15,7 @@ from kvcore.bench.cli import bench
 try:  # the parser's usage errors: typer >= 0.2x vendors click and raises its own
     from typer import TyperException as ParseError
 except ImportError:  # pragma: no cover - older typer raises click's
-    from click import ClickException as ParseError  # type: ignore[assignment,no-redef]
+    from click import ClickException as ParseError  # type: ignore[import-not-found,no-redef,assignment,unused-ignore]
 from kvcore.commands.backends import backends
 from kvcore.commands.fuzz import fuzz
 

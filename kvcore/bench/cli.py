@@ -54,7 +54,7 @@ def flags() -> dict[str, str]:
             if not isinstance(meta, OptionInfo):
                 continue
             # With Annotated, typer keeps the first declaration in ``default``.
-            decls = [d for d in (meta.default, *meta.param_decls) if isinstance(d, str) and d.startswith("-")]
+            decls = [d for d in (meta.default, *(meta.param_decls or ())) if isinstance(d, str) and d.startswith("-")]
             if decls:
                 out[name] = max((d.split("/")[0] for d in decls), key=len)
     return out
@@ -318,7 +318,7 @@ def bench(
     from kvcore.bench.options import BenchOptions
     from kvcore.bench.plan import plan_bench
 
-    given = dict(
+    given: dict[str, Any] = dict(
         backend=list(backend or []), compare=compare, device=device, workload=workload, trace=trace, seed=seed,
         num_requests=num_requests, as_json=as_json, markdown=markdown, plot=plot, check_every=check_every,
         size=size, model=model, kv_budget=kv_budget, swa_full_tokens_ratio=swa_full_tokens_ratio,

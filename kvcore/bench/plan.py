@@ -15,6 +15,7 @@ take it is named in a note, and an option that no backend takes is an error.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +77,7 @@ def _why_missing(name: str) -> str:
     return "unknown"
 
 
-def _default_page_size(configs: list[type[BaseModel]], device: str) -> int:
+def _default_page_size(configs: Sequence[type[BaseModel]], device: str) -> int:
     """--page-size when not given: the largest default among the backends' configs and the device's."""
     from kvcore.devices import get_device
 
@@ -223,7 +224,7 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
     return plan
 
 
-def _route_options(opts: BenchOptions, plan: BenchPlan, configs: dict[str, type[BaseModel]]) -> None:
+def _route_options(opts: BenchOptions, plan: BenchPlan, configs: Mapping[str, type[BaseModel]]) -> None:
     """--backend-opt and the bench options that are a backend field: to every backend that takes them.
 
     The bench sets a field of BENCH_MANAGED itself for a backend whose config declares it (from
@@ -244,8 +245,8 @@ def _route_options(opts: BenchOptions, plan: BenchPlan, configs: dict[str, type[
                               f"({', '.join(plan.run_names)})")
         names = [target] if target is not None else plan.run_names
         if key in BENCH_MANAGED and any(key in configs[n].model_fields for n in names):
-            flag = BENCH_MANAGED[key]
-            raise OptionError(f"--backend-opt {key}: the bench sets {key} itself" + (f"; use {flag}" if flag else ""))
+            use = BENCH_MANAGED[key]
+            raise OptionError(f"--backend-opt {key}: the bench sets {key} itself" + (f"; use {use}" if use else ""))
         if target is not None:
             if not _takes(configs[target], key):
                 raise OptionError(f"--backend-opt {target}:{key}: backend {target!r} takes no option {key!r} "
@@ -256,7 +257,7 @@ def _route_options(opts: BenchOptions, plan: BenchPlan, configs: dict[str, type[
             plan.backend_options.setdefault(name, {})[key] = value
 
 
-def _note_takers(what: str, key: str, plan: BenchPlan, configs: dict[str, type[BaseModel]],
+def _note_takers(what: str, key: str, plan: BenchPlan, configs: Mapping[str, type[BaseModel]],
                  declared: bool = False) -> list[str]:
     """The backends of the run that take ``key`` (``declared``: as a field of their config, the only way the
     bench passes its own options); names the others in a note, and refuses an option no backend takes."""
@@ -278,7 +279,7 @@ def _validate(name: str, config: type[BaseModel], plan: BenchPlan) -> None:
 
     cfg = plan.bench_config(name)
     options = cache_options(cfg, plan.workload.max_total_len)
-    flags = {k: v for k, v in BENCH_MANAGED.items() if v}
+    flags: dict[str, str] = {k: v for k, v in BENCH_MANAGED.items() if v}
     if cfg.model is not None:
         flags.update(size="--model/--kv-budget sizing", swa_size="--model/--kv-budget sizing")
     flags.update({k: f"--backend-opt {k}" for k in cfg.backend_options})
