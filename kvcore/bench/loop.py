@@ -35,9 +35,11 @@ from kvcore.bench.timer import Stopwatch
 from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation, KvcoreError
 from kvcore.record import Req, ceil_align
+from kvcore.session import SessionNode
 
 if TYPE_CHECKING:
     from kvcore.bench.kvwriter import KVWriter
+    from kvcore.pools.views import PoolView
 
 __all__ = [
     "BenchConfig", "BenchSetupError", "BenchStalled", "Job", "ServingLoop", "RunResult", "run_workload",
@@ -177,10 +179,9 @@ class ServingLoop:
     use only its public part: ``engine``, ``engine_time``, ``result``, ``page_size``, ``step``,
     ``waiting``, ``retract_mode``, and ``fits``, ``has_free_row``, ``has_running_place``, ``join``."""
 
-    def __init__(self, cfg: BenchConfig, workload: Workload, progress: Callable[[int, int], None] | None):
+    def __init__(self, cfg: BenchConfig, workload: Workload):
         self.cfg = cfg
         self.workload = workload
-        self.progress = progress
         cache, opts = build_cache(cfg, workload)
         self.backend = cache
         self.use_sessions = cfg.sessions and any(s.session_id for s in workload.requests)
@@ -196,10 +197,10 @@ class ServingLoop:
         self.result = self.metrics.result
         # The pools a new token takes a slot in (the row indexes them); a windowed one also
         # gives slots back as the request slides past its window.
-        self.token_pools = [v for v in cache.pools() if v.record_slots is None]
+        token_pools = [v for v in cache.pools() if v.record_slots is None]
         # (name, allocator, windowed) per token pool: rooms() runs for every admission.
-        self._room_pools = [(v.name, v.allocator, v.windowed) for v in self.token_pools]
-        self.windowed = any(v.windowed for v in self.token_pools)
+        self._room_pools = [(v.name, v.allocator, v.windowed) for v in token_pools]
+        self.windowed = any(v.windowed for v in token_pools)
         self.window = int(opts.get("sliding_window_size", 0)) if self.windowed else 0
         if self.windowed:
             self.result.window_per_request_peak = 0
@@ -216,10 +217,9 @@ class ServingLoop:
             from kvcore.bench.workloads import TopKSelector
 
             self.selector = TopKSelector(cache.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
-        self.idle_sessions = self.engine.idle_sessions
         self.req_to_token_pool = cache.req_to_token_pool
         self.release_lock = self._window_lock_release(cache)
-        self._check_fits()
+        self._check_fits(token_pools)
         # scheduler state
         self.step = 0
         self.seq = 0
@@ -230,8 +230,7 @@ class ServingLoop:
         self.next_turn: dict[str, list[RequestSpec]] = {}
         self.finished = 0
         self.new_token_ratio = 0.7
-        self._blocked_job: Job | None = None
-        self._blocked_room = 0
+        self._blocked: tuple[Job, int] | None = None  # the job that last did not fit, and the headroom then
         # lazy decode state: every running job advances one position per decode round
         self.decode_round = 0
         self.finish_heap: list[tuple[int, int, int, Job]] = []  # (end_round, seq, gen, job)
@@ -274,17 +273,17 @@ class ServingLoop:
         return len(self.running) < self.cfg.max_num_reqs
 
     # ------------------------------------------------------------------ setup
-    def _check_fits(self) -> None:
+    def _check_fits(self, token_pools: list[PoolView]) -> None:
         biggest = max(self.workload.requests, key=lambda r: r.total_len)
         ps = self.page_size
         need = ceil_align(biggest.total_len, ps)
-        for v in self.token_pools:
+        for v in token_pools:
             cap = v.capacity
             if not v.windowed:
                 if need > cap:
                     raise BenchSetupError(
                         f"request {biggest.rid!r} needs {need} token slots but backend {self.cfg.backend!r} has {cap}"
-                        f"{'' if v is self.token_pools[0] else f' in pool {v.name!r}'}; raise --size"
+                        f"{'' if v is token_pools[0] else f' in pool {v.name!r}'}; raise --size"
                     )
                 continue
             need_w = min(need, ceil_align(self.cfg.chunk_size, ps) + self.window + self.cfg.swa_interval + 2 * ps)
@@ -357,7 +356,7 @@ class ServingLoop:
         req = job.req
         engine = self.engine
         sid = req.session_id
-        if rows_only and not (sid is not None and sid in self.idle_sessions):
+        if rows_only and not (sid is not None and sid in self.engine.idle_sessions):
             return "rows", 0
         if req.kv.retraction_backup is not None:
             # --retract-mode offload: back without recompute, so nothing of the budget is prefilled
@@ -415,7 +414,8 @@ class ServingLoop:
             if len(self.running) >= self.cfg.max_num_reqs:
                 break
             job = self.waiting[i]
-            if job is self._blocked_job and self._headroom() <= self._blocked_room:
+            blocked = self._blocked
+            if blocked is not None and job is blocked[0] and self._headroom() <= blocked[1]:
                 break  # nothing was freed since this request failed to fit: skip the re-match
             state, n = self._admit(job, budget, rows_only)
             if state == "mem" and self._release_idle_session(keep=job.spec.session_id):
@@ -428,8 +428,7 @@ class ServingLoop:
                 rows_only = True  # only requests whose session holds a row can still go in
                 i += 1
             else:
-                self._blocked_job = job
-                self._blocked_room = self._headroom()
+                self._blocked = (job, self._headroom())
                 break
         return used
 
@@ -518,7 +517,8 @@ class ServingLoop:
         while heap and heap[0][0] <= self.decode_round:
             _, _, gen, job = heapq.heappop(heap)
             req = job.req
-            if gen != job.gen or req.lock is None or req.last_node is None:
+            # A turn running on a session's KV holds no tree lock (its node is the session's stand-in).
+            if gen != job.gen or req.lock is None or req.last_node is None or isinstance(req.last_node, SessionNode):
                 continue
             with self.engine_time:
                 backend.dec_swa_lock_only(req.last_node, req.lock)
@@ -625,7 +625,7 @@ class ServingLoop:
         result.check_s = self.check_time.seconds
 
     # ------------------------------------------------------------- the run
-    def run(self) -> RunResult:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> RunResult:
         from kvcore.devices import synchronize
 
         specs = self.workload.requests
@@ -644,8 +644,8 @@ class ServingLoop:
         sync = self.dev.type != "cpu"
         check_every = self.cfg.check_every
         idle_rounds = 0
-        if self.progress is not None:
-            self.progress(0, total)
+        if progress is not None:
+            progress(0, total)
         t_start = pc()
         while self.finished < total:
             step = self.step
@@ -684,17 +684,17 @@ class ServingLoop:
                 idle_rounds = 0
             if check_every and step % check_every == 0:
                 self._check()
-            if self.progress is not None and step % 64 == 0:
-                self.progress(self.finished, total)
+            if progress is not None and step % 64 == 0:
+                progress(self.finished, total)
             self.step = step + 1
         wall = pc() - t_start - self.result.check_s
-        if self.progress is not None:
-            self.progress(self.finished, total)
+        if progress is not None:
+            progress(self.finished, total)
         return self._final(wall)
 
     def _final(self, wall: float) -> RunResult:
         result = self.result
-        for sid in list(self.idle_sessions):
+        for sid in list(self.engine.idle_sessions):
             self.engine.end_session(sid)
         result.wall_s = wall
         writer = self.kv_writer
@@ -759,4 +759,4 @@ def infinite_cache_hits(workload: Workload, page_size: int) -> int:
 
 def run_workload(cfg: BenchConfig, workload: Workload, progress: Callable[[int, int], None] | None = None) -> RunResult:
     """Run ``workload`` through backend ``cfg.backend`` and return the measurements."""
-    return ServingLoop(cfg, workload, progress).run()
+    return ServingLoop(cfg, workload).run(progress)

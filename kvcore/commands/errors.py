@@ -14,9 +14,10 @@ Exit codes (docs/bench.md and the README's CLI section list them):
   invariant (the report is printed; one line per failing backend on stderr).
 
 User errors are one line on stderr (``kvcore: error: ...``).  Any other exception is a bug:
-its traceback goes to stderr, then one line naming where it is (the backend's distribution
-when the innermost frame of the traceback is in a backend's package, else kvcore) and what
-was running.  ``KVCORE_DEBUG=1`` shows the traceback of a user error too.
+its traceback goes to stderr, then one line naming the backend that was running and where the
+exception was raised (a backend's distribution when the innermost frame of the traceback is
+in a backend's package, else kvcore: a backend that refuses a wrong argument from kvcore is
+named as the place, not as the culprit).  ``KVCORE_DEBUG=1`` shows the traceback of a user error too.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _where(exc: BaseException) -> str:
     owners: dict[str, list[str]] = {}  # distribution -> its backends
     packages: dict[str, set[str]] = {}  # top-level package -> distributions
     for spec in available_backends().values():
-        if spec.distribution == "kvcore":
+        if spec.distribution == "kvcore":  # the built-in chunk backend: kvcore's own code
             continue
         owners.setdefault(spec.distribution, []).append(spec.name)
         module = inspect.getmodule(spec.factory)
@@ -116,9 +117,8 @@ def _where(exc: BaseException) -> str:
             package = str(frame.f_globals.get("__name__", "")).split(".")[0]
             for dist in sorted(packages.get(package, ())):
                 names = ", ".join(owners[dist])
-                return (f"backend {names} (distribution {dist}, {frame.f_code.co_filename}:{lineno}); "
-                        "report it to its authors with the traceback above")
-    return "kvcore; please report it with the traceback above"
+                return f"backend {names} (distribution {dist}, {frame.f_code.co_filename}:{lineno})"
+    return "kvcore"
 
 
 def report_exception(exc: BaseException) -> int:
@@ -137,6 +137,6 @@ def report_exception(exc: BaseException) -> int:
     traceback.print_exception(bug, file=sys.stderr)
     running = next((name for escaped, name in _escaped if escaped is exc or escaped is bug), None)
     during = f" while running backend {running!r}" if running else ""
-    print(f"kvcore: internal error{during}: {type(bug).__name__}: {bug}. This is a bug in {_where(bug)}.",
-          file=sys.stderr)
+    print(f"kvcore: internal error{during}: {type(bug).__name__}: {bug}. This is a bug, not a usage error: it was "
+          f"raised in {_where(bug)}; please report it with the traceback above.", file=sys.stderr)
     return EXIT_RUNTIME
