@@ -9,9 +9,9 @@ command's flags.
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvcore.bench.lifecycle import RETRACT_MODES
 
 __all__ = ["BenchOptions", "MAX_SLOTS", "MAX_ROWS", "MAX_REQUESTS", "MAX_TRANSFER_STEPS", "MAX_PAGE_SIZE",
            "DEFAULT_SIZE", "RETRACT_MODES"]
@@ -24,11 +24,8 @@ MAX_REQUESTS = 10**7
 MAX_TRANSFER_STEPS = 10_000
 MAX_PAGE_SIZE = 2**16
 DEFAULT_SIZE = 65536
-RETRACT_MODES = ("recompute", "offload")
 
 _INT64 = 2**63
-
-Positive = Annotated[int, Field(ge=1)]
 
 
 class BenchOptions(BaseModel):
@@ -41,26 +38,26 @@ class BenchOptions(BaseModel):
     device: str = "cpu"
     workload: str | None = None
     trace: str | None = None
-    seed: int = Field(0, ge=-_INT64, lt=_INT64)
-    num_requests: int | None = Field(None, ge=1, le=MAX_REQUESTS)
+    seed: int = 0
+    num_requests: int | None = Field(None, ge=1)
     as_json: bool = False
     markdown: bool = False
     plot: str | None = None
     check_every: int = Field(0, ge=0)
-    size: int | None = Field(None, ge=1, le=MAX_SLOTS)
+    size: int | None = Field(None, ge=1)
     model: str | None = None
     kv_budget: str | None = None
     swa_full_tokens_ratio: float = Field(0.8, allow_inf_nan=False)
     release_window_lock: bool = False
     retract_mode: str = "recompute"
-    pre_alloc_size: int = Field(0, ge=0, le=MAX_ROWS)
-    transfer_steps: int = Field(4, ge=0, le=MAX_TRANSFER_STEPS)
-    page_size: int | None = Field(None, ge=1, le=MAX_PAGE_SIZE)
-    max_num_reqs: int = Field(128, ge=1, le=MAX_ROWS)
-    chunk_size: int = Field(2048, ge=1, le=MAX_SLOTS)
-    window: int | None = Field(None, ge=1, le=MAX_SLOTS)
-    swa_size: int | None = Field(None, ge=1, le=MAX_SLOTS)
-    swa_interval: int = Field(128, ge=1, le=MAX_SLOTS)
+    pre_alloc_size: int = Field(0, ge=0)
+    transfer_steps: int = Field(4, ge=0)
+    page_size: int | None = Field(None, ge=1)
+    max_num_reqs: int = Field(128, ge=1)
+    chunk_size: int = Field(2048, ge=1)
+    window: int | None = Field(None, ge=1)
+    swa_size: int | None = Field(None, ge=1)
+    swa_interval: int = Field(128, ge=1)
     sessions: bool | None = None
     eviction_policy: str | None = None
     step_ms: float = Field(20.0, gt=0, allow_inf_nan=False)
@@ -70,6 +67,49 @@ class BenchOptions(BaseModel):
     show_progress: bool | None = None
     topk_locality: float = Field(0.5, allow_inf_nan=False)
     backend_opt: list[str] = Field(default_factory=list)
+
+    @field_validator("size", "swa_size", "window", "chunk_size", "swa_interval")
+    @classmethod
+    def _slots(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_SLOTS:
+            raise ValueError(f"{value:,} is more than {MAX_SLOTS:,} slots (slot ids are int32)")
+        return value
+
+    @field_validator("max_num_reqs", "pre_alloc_size")
+    @classmethod
+    def _rows(cls, value: int) -> int:
+        if value > MAX_ROWS:
+            raise ValueError(f"{value:,} is more than {MAX_ROWS:,} req_to_token rows")
+        return value
+
+    @field_validator("num_requests")
+    @classmethod
+    def _requests(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_REQUESTS:
+            raise ValueError(f"{value:,} is more than {MAX_REQUESTS:,}: run several seeds instead")
+        return value
+
+    @field_validator("transfer_steps")
+    @classmethod
+    def _transfer(cls, value: int) -> int:
+        if value > MAX_TRANSFER_STEPS:
+            raise ValueError(f"{value:,} is more than {MAX_TRANSFER_STEPS:,} scheduler steps (a pd-decode run would "
+                             "wait that long for every transfer)")
+        return value
+
+    @field_validator("page_size")
+    @classmethod
+    def _page(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_PAGE_SIZE:
+            raise ValueError(f"{value:,} is more than {MAX_PAGE_SIZE:,} tokens per page")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if not -_INT64 <= value < _INT64:
+            raise ValueError("must fit in 64 bits (a torch generator's seed)")
+        return value
 
     @field_validator("swa_full_tokens_ratio")
     @classmethod
