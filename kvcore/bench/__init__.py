@@ -43,8 +43,8 @@ def run_bench(backends: list[str], *, workload: str | Workload = "shared-prefix"
     reports = []
     for name in backends:
         cfg = BenchConfig(backend=name, backend_options=dict((backend_options or {}).get(name, {})), **config)
-        res = run_workload(cfg, wl, progress=progress(name) if progress else None)
-        rep = make_report(cfg, wl, res)
-        rep["_timeline"] = res.timeline
+        result = run_workload(cfg, wl, progress=progress(name) if progress else None)
+        rep = make_report(cfg, wl, result)
+        rep["_timeline"] = result.timeline
         reports.append(rep)
     return reports
