@@ -17,13 +17,16 @@ failed) with a one-line replay command.
 
 from __future__ import annotations
 
+import json
 import random
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation
@@ -35,7 +38,7 @@ from kvcore.record import Req
 from kvcore.release import release_kv_cache
 from kvcore.session import StreamingSession
 
-__all__ = ["FuzzFailure", "FuzzResult", "run_fuzz", "replay_command"]
+__all__ = ["FuzzFailure", "FuzzResult", "run_fuzz", "replay_command", "fuzz_config"]
 
 CLEAN_ERRORS = (TypeError, ValueError, RuntimeError, LookupError)
 
@@ -58,27 +61,45 @@ class FuzzResult:
     checks: int = 0
 
 
-def replay_command(backend: str, seed: int, op: int, page_size: int | None, bad_rate: float) -> str:
+def replay_command(backend: str, seed: int, op: int, page_size: int | None, bad_rate: float,
+                   backend_options: dict[str, Any] | None = None) -> str:
     cmd = f"kvcore fuzz --backend {backend} --ops {op + 1} --seed {seed} --check-every 1"
     if page_size is not None:
         cmd += f" --page-size {page_size}"
     if bad_rate != 0.05:
         cmd += f" --bad-rate {bad_rate}"
+    for key, value in (backend_options or {}).items():
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+        cmd += f" --backend-opt {shlex.quote(f'{key}={text}')}"
     return cmd
 
 
-def _config_for(backend: str, page_size: int | None) -> dict[str, Any]:
+# The fuzz sizes these itself (small pools); --page-size is the one a user chooses.
+FUZZ_MANAGED = {"size": None, "page_size": "--page-size", "max_num_reqs": None, "max_context_len": None,
+                "sliding_window_size": None, "swa_size": None}
+
+
+def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Small pools (so that eviction, retraction and session releases happen often) the backend accepts.
 
     Tries 96 pages, then larger pools, for backends whose own options need more room.
+    ``backend_options`` (``--backend-opt``) go in as they are; the backend's config model
+    validates them, and an error names the option the user gave.
     """
+    from kvcore.backend_options import OptionError, format_validation_error
     from kvcore.factory import ConfigError
     from kvcore.plugins import get_backend
 
     model = get_backend(backend).config
     fields = model.model_fields
+    extra = dict(backend_options or {})
+    for key in extra:
+        if key in FUZZ_MANAGED:
+            flag = FUZZ_MANAGED[key]
+            raise OptionError(f"--backend-opt {key}: the fuzz sizes {key} itself" + (f"; use {flag}" if flag else ""))
     ps = page_size if page_size is not None else int(fields["page_size"].default or 1)
-    error: Exception | None = None
+    flags = {"page_size": "--page-size", **{k: f"--backend-opt {k}" for k in extra}}
+    error = ""
     for scale in (1, 64, 1024):
         kwargs: dict[str, Any] = {
             "size": 96 * ps * scale, "page_size": ps, "max_num_reqs": 6, "max_context_len": 16 * ps,
@@ -87,20 +108,31 @@ def _config_for(backend: str, page_size: int | None) -> dict[str, Any]:
             kwargs["sliding_window_size"] = 2 * ps
         if "swa_size" in fields:
             kwargs["swa_size"] = 64 * ps * scale
+        kwargs.update(extra)
         try:
             model(**kwargs)
+        except ValidationError as exc:
+            error = format_validation_error(exc, flags)
+            if any(str(e["loc"][0]) in flags for e in exc.errors() if e["loc"]):
+                break  # the user's own option is refused: a larger pool will not help
+            continue
         except (ConfigError, ValueError) as exc:
-            error = exc
+            error = str(exc)
             continue
         return kwargs
-    raise ConfigError(f"kvcore fuzz: no small configuration of backend {backend!r} validates: {error}")
+    given = ([f"--page-size {page_size}"] if page_size is not None else []) + [
+        f"--backend-opt {k}={v}" for k, v in extra.items()]
+    what = f"backend {backend!r}" + (f" with {' '.join(given)}" if given else "")
+    raise ConfigError(f"{what}: no small configuration for the fuzz validates: {error}")
 
 
 class _Driver:
-    def __init__(self, backend: str, seed: int, page_size: int | None, bad_rate: float):
+    def __init__(self, backend: str, seed: int, page_size: int | None, bad_rate: float,
+                 backend_options: dict[str, Any] | None = None):
         self.backend = backend
+        self.backend_options = dict(backend_options or {})
         self.rng = random.Random(seed)
-        kwargs = _config_for(backend, page_size)
+        kwargs = fuzz_config(backend, page_size, self.backend_options)
         self.ps = kwargs["page_size"]
         self.width = kwargs["max_context_len"]
         self.inner = create_cache(backend, **kwargs)
@@ -400,7 +432,7 @@ class _Driver:
                 dup = torch.tensor([s, s], dtype=torch.int64)
                 ops.append(("insert duplicated slots", lambda: inner.insert(RadixKey([27, 28]), dup), tree))
             if self._other is None:
-                self._other = create_cache(self.backend, **_config_for(self.backend, ps))
+                self._other = create_cache(self.backend, **fuzz_config(self.backend, ps, self.backend_options))
             other = self._other
             ops.append(("release on another cache", lambda: release_kv_cache(req, other), True))
             ops.append(("cache_unfinished_req on another cache", lambda: other.cache_unfinished_req(req), True))
@@ -499,13 +531,14 @@ def run_fuzz(
     check_every: int = 100,
     bad_rate: float = 0.05,
     page_size: int | None = None,
+    backend_options: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> FuzzResult:
     """Run ``ops`` seeded random operations on ``backend``; raises FuzzFailure on the first bug."""
     if ops < 0 or check_every < 1 or not 0.0 <= bad_rate <= 1.0:
         raise ValueError(f"need ops >= 0, check_every >= 1 and 0 <= bad_rate <= 1 (got {ops}, {check_every}, "
                          f"{bad_rate})")
-    d = _Driver(backend, seed, page_size, bad_rate)
+    d = _Driver(backend, seed, page_size, bad_rate, backend_options)
     names = [n for n, _ in _OPS]
     weights = [w for _, w in _OPS]
     rng = d.rng
@@ -532,5 +565,6 @@ def run_fuzz(
         checks += 1
     except (AssertionError, InvariantViolation, *CLEAN_ERRORS) as exc:
         what = f"{type(exc).__name__}: {exc}"
-        raise FuzzFailure(backend, seed, i, what, replay_command(backend, seed, i, page_size, bad_rate)) from exc
+        replay = replay_command(backend, seed, i, page_size, bad_rate, backend_options)
+        raise FuzzFailure(backend, seed, i, what, replay) from exc
     return FuzzResult(backend, seed, ops, time.perf_counter() - t0, counts, checks)

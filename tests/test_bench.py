@@ -263,21 +263,21 @@ def _main(capsys, *args):
 
 
 @pytest.mark.parametrize(
-    "args, needle",
+    "args, needle, status",
     [
-        (["--backend", "nope"], "nope"),
-        (["--backend", "chunk", "--device", "tpu"], "tpu"),
-        (["--backend", "chunk", "--workload", "bogus"], "bogus"),
-        (["--backend", "chunk", "--trace", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
-        (["--backend", "chunk", "--size", "0"], "--size"),
-        (["--backend", "chunk", "--plot", "out.txt"], "png"),
-        (["--backend", "chunk", "--device", "npu"], "npu"),
-        ([], "--backend"),
+        (["--backend", "nope"], "nope", 2),
+        (["--backend", "chunk", "--device", "tpu"], "tpu", 1),  # a device not usable here: 1
+        (["--backend", "chunk", "--workload", "bogus"], "bogus", 2),
+        (["--backend", "chunk", "--trace", "/no/such/file.jsonl"], "/no/such/file.jsonl", 2),
+        (["--backend", "chunk", "--size", "0"], "--size", 2),
+        (["--backend", "chunk", "--plot", "out.txt"], "png", 2),
+        (["--backend", "chunk", "--device", "npu"], "npu", 1),
+        ([], "--backend", 2),
     ],
 )
-def test_cli_errors_are_one_line(capsys, args, needle):
+def test_cli_errors_are_one_line(capsys, args, needle, status):
     code, out, err = _main(capsys, *args)
-    assert code not in (0, None)
+    assert code == status, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("kvcore: error:") and needle in lines[0]
@@ -299,7 +299,7 @@ def test_console_entry_point_error_and_cheap_import():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["False", "False"]
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a usage error
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kvcore: error:") and "nope" in proc.stderr
 
 

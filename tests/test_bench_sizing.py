@@ -164,7 +164,7 @@ def test_size_keeps_the_old_sizing_and_conflicts_are_refused(capsys):
         with pytest.raises(SystemExit) as exc:
             main(["bench", "--backend", "swa", "-n", "2", *args])
         err = capsys.readouterr().err
-        assert exc.value.code == 1 and err.startswith("kvcore: error:") and msg in err, (args, err)
+        assert exc.value.code == 2 and err.startswith("kvcore: error:") and msg in err, (args, err)
 
 
 @needs_swa

@@ -583,8 +583,8 @@ def _backends_json(path):
     import json
 
     out = _kvcore(["backends", "--json"], path)
-    assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
+    assert out.returncode == (1 if data["failed"] else 0), out.stderr  # a plugin that failed to load: status 1
     return {b["name"]: b for b in data["backends"]}, {f["plugin"]: f["error"] for f in data["failed"]}
 
 

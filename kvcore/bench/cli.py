@@ -1,4 +1,9 @@
-"""The ``kvcore bench`` command (registered by kvcore.cli); heavy imports happen inside."""
+"""The ``kvcore bench`` command (registered by kvcore.cli): options in, reports out; heavy imports happen inside.
+
+The options are checked by :class:`kvcore.bench.options.BenchOptions` and resolved by
+:func:`kvcore.bench.plan.plan_bench` before anything runs; errors there are usage errors
+(exit status 2), a run that leaked is 3 (:mod:`kvcore.commands.errors`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from kvcore.bench.workloads import WORKLOADS
+from kvcore.commands.errors import EXIT_LEAK, running_backend, usage_phase
 
 __all__ = ["bench"]
 
@@ -17,101 +23,6 @@ _WORKLOAD_HELP = (
     + "".join(f"{n} when every backend takes {w.favours}; " for n, w in WORKLOADS.items() if w.favours)
     + f"else {next(iter(WORKLOADS))})."
 )
-
-
-def _backend_list(backend: list[str] | None, compare: str | None) -> list[str]:
-    names: list[str] = []
-    for item in list(backend or []) + ([compare] if compare else []):
-        for name in item.split(","):
-            name = name.strip()
-            if name in names:
-                raise ValueError(f"backend {name!r} is named twice: compare different backends")
-            if name:
-                names.append(name)
-    if not names:
-        from kvcore.plugins import available_backends
-
-        known = ", ".join(available_backends())
-        raise ValueError(f"no backend given: use --backend NAME or --compare a,b (installed: {known})")
-    return names
-
-
-def _check_device(device: str) -> None:
-    """One clear line for a device that is not registered (the choices) or not usable here (what is missing)."""
-    from kvcore.devices import check_device
-
-    check_device(device)
-
-
-def _default_page_size(specs: list, device: str) -> int:
-    """--page-size when not given: the largest default among the backends' configs and the device's."""
-    from kvcore.devices import get_device
-
-    sizes = [int(get_device(device).defaults.get("page_size", 1))]
-    for spec in specs:
-        default = spec.config.model_fields["page_size"].default
-        sizes.append(default if isinstance(default, int) and default > 0 else 1)
-    return max(sizes)
-
-
-# Slot ids live in int32 req_to_token rows; more rows than this is no engine's batch.
-_MAX_SLOTS = 2**31 - 2**16
-_MAX_ROWS = 2**20
-_MAX_REQUESTS = 10**7
-
-
-def _check_limits(size: int, swa_size: int | None, max_num_reqs: int, num_requests: int | None) -> None:
-    """Refuse pool and workload sizes this process cannot hold, before anything is allocated."""
-    import os
-
-    for opt, val in (("--size", size), ("--swa-size", swa_size)):
-        if val is not None and val > _MAX_SLOTS:
-            raise ValueError(f"{opt} {val:,} is more than {_MAX_SLOTS:,} slots (slot ids are int32)")
-    if max_num_reqs > _MAX_ROWS:
-        raise ValueError(f"--max-num-reqs {max_num_reqs:,} is more than {_MAX_ROWS:,} req_to_token rows")
-    if num_requests is not None and num_requests > _MAX_REQUESTS:
-        raise ValueError(f"--num-requests {num_requests:,} is more than {_MAX_REQUESTS:,}: run several seeds instead")
-    # About 40 bytes of bookkeeping per slot (free ring, per-page counts, ownership, window mapping).
-    need = 40 * (size + (swa_size or size))
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > have:
-        raise ValueError(
-            f"--size {size:,} needs about {need / 2**30:,.0f} GiB of pool bookkeeping; this machine has "
-            f"{have / 2**30:,.0f} GiB"
-        )
-
-
-_DEFAULT_SIZE = 65536
-
-
-def _resolve_model(specs: list, model: str | None, kv_budget: str | None, size: int | None, swa_size: int | None,
-                   page_size: int, ratio: float) -> tuple[str | None, list]:
-    """The model that sizes the pools (None: --size does) and each backend's sizes, checked before anything runs.
-
-    A run with a sliding-window backend (config field ``swa_size``) and neither --size nor
-    --swa-size gets the default model, so the comparison is at equal memory.
-    """
-    from kvcore.bench.sizing import DEFAULT_KV_BUDGET, DEFAULT_SWA_MODEL, get_model, parse_bytes, size_pools
-
-    if not 0 < ratio <= 1:
-        raise ValueError(f"--swa-full-tokens-ratio must lie in (0, 1], got {ratio}")
-    if model is None:
-        if kv_budget is not None:
-            raise ValueError("--kv-budget sizes pools for a --model: name one (e.g. --model gemma-3-27b)")
-        windowed = any("swa_size" in spec.config.model_fields for spec in specs)
-        if not windowed or size is not None or swa_size is not None:
-            return None, []
-        model = DEFAULT_SWA_MODEL
-    elif size is not None or swa_size is not None:
-        raise ValueError("--model sizes the pools from --kv-budget: drop --size/--swa-size, or drop --model")
-    layout = get_model(model)
-    budget = parse_bytes(kv_budget) if kv_budget is not None else DEFAULT_KV_BUDGET
-    sizes = [size_pools(layout, budget, hybrid="swa_size" in spec.config.model_fields, page_size=page_size,
-                        swa_full_tokens_ratio=ratio) for spec in specs]
-    return model, sizes
 
 
 def _line_progress(name: str):
@@ -131,36 +42,22 @@ def _line_progress(name: str):
     return update
 
 
-def _check_plot(plot: str) -> None:
-    """Refuse a --plot target that cannot be written, before the benchmark runs."""
-    import importlib.util
-    import os
-    from pathlib import Path
+def flags() -> dict[str, str]:
+    """Each parameter's long option (``as_json`` -> ``--json``), for error messages: read from the signature."""
+    import typing
 
-    if not plot.lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, not {plot!r}")
-    folder = Path(plot).parent
-    if not folder.is_dir():
-        raise ValueError(f"--plot {plot!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--plot {plot!r}: folder {str(folder)!r} is not writable")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib")
+    from typer.models import OptionInfo
 
-
-def _why_missing(name: str) -> str:
-    from kvcore.plugins import get_backend
-
-    try:
-        get_backend(name)
-    except LookupError as exc:
-        return str(exc)
-    return "unknown"
-
-
-def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value}")
+    out: dict[str, str] = {}
+    for name, hint in typing.get_type_hints(bench, include_extras=True).items():
+        for meta in typing.get_args(hint)[1:]:
+            if not isinstance(meta, OptionInfo):
+                continue
+            # With Annotated, typer keeps the first declaration in ``default``.
+            decls = [d for d in (meta.default, *(meta.param_decls or ())) if isinstance(d, str) and d.startswith("-")]
+            if decls:
+                out[name] = max((d.split("/")[0] for d in decls), key=len)
+    return out
 
 
 def bench(
@@ -333,17 +230,18 @@ def bench(
         ),
     ] = 128,
     sessions: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--sessions/--no-sessions",
-            help="Run follow-up turns of multi-turn conversations on streaming sessions.",
+            help="Run follow-up turns of multi-turn conversations on streaming sessions (default: on, unless a "
+            "backend of the run cannot continue a conversation on one, such as a sparse-decode backend).",
         ),
-    ] = True,
+    ] = None,
     eviction_policy: Annotated[
         str | None,
         typer.Option(
             "--eviction-policy",
-            help="Eviction policy for tree backends (lru, lfu, ...).",
+            help="Eviction policy (lru, lfu, ...) for every backend whose config takes one; the others are named.",
         ),
     ] = None,
     step_ms: Annotated[
@@ -397,92 +295,60 @@ def bench(
             ),
         ),
     ] = 0.5,
+    backend_opt: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend-opt", metavar="[BACKEND:]KEY=VALUE",
+            help=(
+                "An option of the backends' config (repeatable; `kvcore backends --json` lists them): to every "
+                "backend of the run that takes it, or to BACKEND only; validated by the backend's own config."
+            ),
+        ),
+    ] = None,
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
 
-    Exit status: 0, or 2 when a run leaked slots or broke an invariant.
+    Exit status: 0; 1 when the run could not be done (a device not usable here, pools too small,
+    a bug); 2 for a usage error (a bad option value, an unknown name); 3 when a run leaked slots or
+    rows or broke an invariant (the report is still printed).
     """
-    names = _backend_list(backend, compare)
-    from kvcore.plugins import available_backends, get_backend
+    from pydantic import ValidationError
 
-    specs = [get_backend(name) for name in names]  # BackendNotFound names the known ones
-    if workload is None:
-        from kvcore.bench.workloads import default_workload
+    from kvcore.backend_options import format_validation_error
+    from kvcore.bench.options import BenchOptions
+    from kvcore.bench.plan import plan_bench
 
-        workload = default_workload([set(spec.config.model_fields) for spec in specs], trace)
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose one of: {', '.join(WORKLOADS)}")
-    _check_device(device)
-    if page_size is None:
-        page_size = _default_page_size(specs, device)
-    model, sizes = _resolve_model(specs, model, kv_budget, size, swa_size, page_size, swa_full_tokens_ratio)
-    budget = None
-    if model is not None:
-        from kvcore.bench.sizing import DEFAULT_KV_BUDGET, parse_bytes
-
-        budget = parse_bytes(kv_budget) if kv_budget is not None else DEFAULT_KV_BUDGET
-    for opt, val in (("--size", size), ("--page-size", page_size), ("--max-num-reqs", max_num_reqs),
-                     ("--chunk-size", chunk_size), ("--window", window), ("--swa-size", swa_size),
-                     ("--swa-interval", swa_interval), ("--num-requests", num_requests)):
-        _positive(opt, val)
-    _positive("--check-every", check_every, allow_zero=True)
-    _positive("--pre-alloc-size", pre_alloc_size, allow_zero=True)
-    _positive("--transfer-steps", transfer_steps, allow_zero=True)
-    from kvcore.bench.lifecycle import RETRACT_MODES
-
-    if retract_mode not in RETRACT_MODES:
-        raise ValueError(f"--retract-mode {retract_mode!r}: choose one of {', '.join(RETRACT_MODES)}")
-    if not 0.0 <= topk_locality <= 1.0:
-        raise ValueError(f"--topk-locality must lie in [0, 1], got {topk_locality}")
-    if chunk_size % page_size:
-        raise ValueError(f"--chunk-size {chunk_size} is not a multiple of --page-size {page_size}")
-    if sizes:
-        _check_limits(max(s.full for s in sizes), max((s.swa or 0 for s in sizes), default=0) or None,
-                      max_num_reqs, num_requests)
-    else:
-        _check_limits(size or _DEFAULT_SIZE, swa_size, max_num_reqs, num_requests)
-    if plot is not None:
-        _check_plot(plot)
-
-    if reference is not None:
-        get_backend(reference)
-
-    from kvcore.bench import run_bench
-
-    config = dict(
-        device=device, size=size or _DEFAULT_SIZE, page_size=page_size, max_num_reqs=max_num_reqs,
-        chunk_size=chunk_size,
-        window=window, swa_size=swa_size, swa_interval=swa_interval, sessions=sessions, check_every=check_every,
-        eviction_policy=eviction_policy, write_kv=write_kv, topk_locality=topk_locality,
-        model=model, kv_budget=budget, swa_full_tokens_ratio=swa_full_tokens_ratio,
+    given: dict[str, Any] = dict(
+        backend=list(backend or []), compare=compare, device=device, workload=workload, trace=trace, seed=seed,
+        num_requests=num_requests, as_json=as_json, markdown=markdown, plot=plot, check_every=check_every,
+        size=size, model=model, kv_budget=kv_budget, swa_full_tokens_ratio=swa_full_tokens_ratio,
         release_window_lock=release_window_lock, retract_mode=retract_mode, pre_alloc_size=pre_alloc_size,
-        transfer_steps=transfer_steps,
+        transfer_steps=transfer_steps, page_size=page_size, max_num_reqs=max_num_reqs, chunk_size=chunk_size,
+        window=window, swa_size=swa_size, swa_interval=swa_interval, sessions=sessions,
+        eviction_policy=eviction_policy, step_ms=step_ms, reference=reference, no_reference=no_reference,
+        write_kv=write_kv, show_progress=show_progress, topk_locality=topk_locality,
+        backend_opt=list(backend_opt or []),
     )
-    run_names = list(names)
-    with_reference = False
-    if len(names) == 1 and not no_reference:
-        # A backend alone runs with its reference: --reference, else what its plugin names, else radix.
-        ref = reference or specs[0].reference or "radix"
-        with_reference = ref != names[0] and ref in available_backends()
-        if with_reference:
-            run_names.append(ref)
-        elif ref != names[0]:
-            typer.echo(
-                f"kvcore bench: the reference backend {ref!r} is not available ({_why_missing(ref)}); "
-                f"running {names[0]} alone (--no-reference to say so, --reference NAME for another)",
-                err=True,
-            )
-    elif reference is not None:
-        # A comparison: the reference goes first, so every ratio is against it.
-        names = run_names = [reference, *(n for n in names if n != reference)]
+    with usage_phase():
+        try:
+            opts = BenchOptions(**given)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, flags())) from None
+        if opts.num_requests is not None and opts.num_requests >= 100_000 and not opts.as_json:
+            typer.echo(f"kvcore bench: generating {opts.num_requests:,} requests, then running them "
+                       "(this takes a while)", err=True)
+        plan = plan_bench(opts)
+    for note in plan.notes:
+        typer.echo(f"kvcore bench: {note}", err=True)
 
     progress = None
     bar: Any = contextlib.nullcontext()
-    if show_progress is None:
-        show_progress = sys.stderr.isatty() and not as_json
-    if show_progress and not sys.stderr.isatty():
+    show = opts.show_progress
+    if show is None:
+        show = sys.stderr.isatty() and not opts.as_json
+    if show and not sys.stderr.isatty():
         progress = _line_progress
-    elif show_progress:
+    elif show:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -497,34 +363,32 @@ def bench(
 
             return update
 
-    if num_requests is not None and num_requests >= 100_000 and not as_json:
-        typer.echo(f"kvcore bench: generating {num_requests:,} requests, then running them (this takes a while)",
-                   err=True)
+    from kvcore.bench import run_bench
+
+    reports: list[dict] = []
     with bar:
-        reports = run_bench(run_names, workload=workload, seed=seed, num_requests=num_requests, trace=trace,
-                            step_ms=step_ms, progress=progress, **config)
-    if with_reference:
+        for name in plan.run_names:
+            with running_backend(name):
+                reports += run_bench([name], workload=plan.workload, progress=progress,
+                                     backend_options=plan.backend_options, **plan.config)
+    if plan.with_reference:
         reports[-1]["_reference"] = True
-    elif reference is not None:
+    elif opts.reference is not None:
         reports[0]["_reference"] = True
 
-    if plot is not None:
-        from kvcore.bench.plot import write_plot
-
-        write_plot(reports, plot)
-
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in reports]
-    if as_json:
+    # The results go out first: a plot that fails at the end must not take them with it.
+    if opts.as_json:
         import json
 
-        if with_reference:
+        if plan.with_reference:
             payload: Any = dict(public[0], reference=public[1])
-        elif len(names) == 1:
+        elif len(plan.names) == 1:
             payload = public[0]
         else:
             payload = public
         typer.echo(json.dumps(payload, indent=2))
-    elif markdown:
+    elif opts.markdown:
         from kvcore.bench.report import render_markdown
 
         typer.echo(render_markdown(reports))
@@ -534,9 +398,16 @@ def bench(
         from kvcore.bench.report import render_table
 
         Console(soft_wrap=True).print(render_table(reports))
+    if opts.plot is not None:
+        from kvcore.bench.plot import write_plot
+
+        try:
+            write_plot(reports, opts.plot)
+        except OSError as exc:
+            raise OSError(f"--plot {opts.plot!r}: {exc.strerror or exc}") from exc
     bad = [r for r in public if r["leaked_slots"] or r["leaked_rows"] or r["invariant_violations"]]
     for r in bad:
         why = "; ".join(r["violations"][:1]) or f"{r['leaked_slots']} slots, {r['leaked_rows']} rows leaked"
         typer.echo(f"kvcore: {r['backend']} failed the leak check: {why}", err=True)
     if bad:
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_LEAK)

@@ -26,53 +26,52 @@ from typing import TYPE_CHECKING, Any
 from kvcore.record import ceil_align
 
 if TYPE_CHECKING:
-    from kvcore.bench.loop import _Job, _Loop
+    from kvcore.bench.loop import Job, ServingLoop
 
 __all__ = ["RETRACT_MODES", "PdDecode", "resume_retracted", "retract_job"]
 
 RETRACT_MODES = ("recompute", "offload")
 
 
-def retract_job(loop: _Loop, job: _Job) -> None:
+def retract_job(loop: ServingLoop, job: Job) -> None:
     """Retract ``job`` with the loop's mode; the outputs stay (recompute prefills prompt + outputs again)."""
     req = job.req
-    with loop.bt:
-        backup = loop.engine.retract(req, mode=loop.cfg.retract_mode)
+    with loop.engine_time:
+        backup = loop.engine.retract(req, mode=loop.retract_mode)
     if backup is not None:
-        loop.res.retract_offload_bytes += backup.nbytes
-        loop.res.retract_offload_tokens += backup.num_tokens
+        loop.result.retract_offload_bytes += backup.nbytes
+        loop.result.retract_offload_tokens += backup.num_tokens
 
 
-def resume_retracted(loop: _Loop, job: _Job) -> str:
+def resume_retracted(loop: ServingLoop, job: Job) -> str:
     """Admit an offload-retracted ``job`` again: 'ok' (it decodes on), 'mem' or 'rows'."""
     req = job.req
     n = req.seqlen - 1
-    need = ceil_align(n, loop.ps) if loop.ps > 1 else n
-    if any(need > room for room in loop._rooms()):
+    need = ceil_align(n, loop.page_size) if loop.page_size > 1 else n
+    if not loop.fits(need):
         return "mem"
-    if loop.r2t.available_size() == 0:
+    if not loop.has_free_row():
         return "rows"
-    with loop.bt:
+    with loop.engine_time:
         ok = loop.engine.resume(req)
     if not ok:
         return "mem"
-    loop._admit_used = 0  # nothing is prefilled: the prefill budget is untouched
-    loop.res.retract_loaded_tokens += n
+    loop.result.retract_loaded_tokens += n
     # The last token's KV is recomputed by the next decode step (SGLang backs up seqlen - 1 positions):
     # in the loop's convention (allocated == seqlen) that token is not generated yet.
     req.output_ids = req.output_ids[:-1]
     job.admitted = True
-    loop._join(job)
+    loop.join(job)
     return "ok"
 
 
 class PdDecode:
     """The decode server's admission: pre-allocate, transfer, then join the running batch."""
 
-    def __init__(self, loop: _Loop, transfer_steps: int) -> None:
+    def __init__(self, loop: ServingLoop, transfer_steps: int) -> None:
         self.loop = loop
         self.transfer_steps = transfer_steps
-        self.in_flight: list[tuple[int, _Job]] = []  # (step the transfer completes, job), pre-allocated
+        self.in_flight: list[tuple[int, Job]] = []  # (step the transfer completes, job), pre-allocated
         self.wait_steps = 0
         self.preallocated = 0
 
@@ -87,11 +86,11 @@ class PdDecode:
         # Transfers that completed join the running batch while it has room (SGLang: process_prebuilt).
         keep = []
         for done, job in self.in_flight:
-            if done <= step and len(loop.running) < loop.cfg.max_num_reqs:
-                with loop.bt:
+            if done <= step and loop.has_running_place():
+                with loop.engine_time:
                     loop.engine.process_prebuilt(job.req)
                 job.admitted = True
-                loop._join(job)
+                loop.join(job)
                 joined += 1
             else:
                 keep.append((done, job))
@@ -111,10 +110,10 @@ class PdDecode:
             # A recompute-retracted request comes back as a rebootstrap: the prefill server recomputes
             # prompt + outputs but the last one (SGLang's seqlen - 1), whose KV the next decode step writes.
             fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-            need = ceil_align(fill, loop.ps) if loop.ps > 1 else fill
-            if loop.r2t.available_size() == 0 or any(need > room for room in loop._rooms()):
+            need = ceil_align(fill, loop.page_size) if loop.page_size > 1 else fill
+            if not loop.has_free_row() or not loop.fits(need):
                 break
-            with loop.bt:
+            with loop.engine_time:
                 dst = loop.engine.pre_alloc(req)
             if dst is None:
                 break
@@ -124,8 +123,8 @@ class PdDecode:
                 job.prefix_len = 0
             self.wait_steps += max(0, step - job.spec.arrival)
             self.preallocated += 1
-            loop.res.pd_preallocated += 1
-            loop.res.pd_wait_steps = self.wait_steps
+            loop.result.pd_preallocated += 1
+            loop.result.pd_wait_steps = self.wait_steps
             del waiting[i]
             self.in_flight.append((step + self.transfer_steps, job))
         return joined + len(self.in_flight)

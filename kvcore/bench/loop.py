@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,14 +35,24 @@ from kvcore.bench.timer import Stopwatch
 from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation, KvcoreError
 from kvcore.record import Req, ceil_align
+from kvcore.session import SessionNode
+
+if TYPE_CHECKING:
+    from kvcore.bench.kvwriter import KVWriter
+    from kvcore.pools.views import PoolView
 
 __all__ = [
-    "BenchConfig", "BenchStalled", "RunResult", "run_workload", "build_cache", "cache_options",
+    "BenchConfig", "BenchSetupError", "BenchStalled", "Job", "ServingLoop", "RunResult", "run_workload",
+    "build_cache", "cache_options",
 ]
 
 
 class BenchStalled(KvcoreError, RuntimeError):
     """The loop cannot make progress: the pools are too small for a request."""
+
+
+class BenchSetupError(KvcoreError, ValueError):
+    """The options cannot run this workload on this backend (found when the loop is built); names the option."""
 
 
 @dataclass
@@ -72,6 +82,8 @@ class BenchConfig:
     retract_mode: str = "recompute"  # or "offload": a host copy of the KV, resumed without recompute
     pre_alloc_size: int = 0  # pd-decode: rows for pre-allocated requests on top of max_num_reqs
     transfer_steps: int = 4  # pd-decode: steps a KV transfer from the prefill server takes
+    # More create_cache options (--backend-opt), validated by the backend's config model.
+    backend_options: dict[str, Any] = field(default_factory=dict)
 
 
 def config_fields(backend: str) -> set[str]:
@@ -111,6 +123,7 @@ def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
         opts["pre_alloc_size"] = cfg.pre_alloc_size
     if _write_kv(cfg):
         opts["kv_buffer"] = {"num_layers": cfg.kv_layers, "num_heads": cfg.kv_heads, "head_dim": cfg.kv_head_dim}
+    opts.update(cfg.backend_options)
     return opts
 
 
@@ -131,11 +144,12 @@ def _fill_len(req: Req) -> int:
     return len(req.origin_input_ids) + len(req.output_ids)
 
 
-class _Job:
-    """A request in the loop.  While decoding, its length is ``off + G`` (G: decode rounds so far),
-    so per-token bookkeeping is written into the record lazily (``_sync``) before anyone reads it."""
+class Job:
+    """A request in the loop.  While decoding, its length is ``round_offset + decode_round`` (the loop's
+    decode rounds so far), so per-token bookkeeping is written into the record lazily (``_sync``) before
+    anyone reads it; it finishes at decode round ``end_round``."""
 
-    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "off", "end_g", "gen", "computed")
+    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "round_offset", "end_round", "gen", "computed")
 
     def __init__(self, spec: RequestSpec, seq: int):
         self.spec = spec
@@ -143,8 +157,8 @@ class _Job:
         self.seq = seq
         self.prefix_len = -1
         self.admitted = False
-        self.off = 0
-        self.end_g = 0
+        self.round_offset = 0
+        self.end_round = 0
         self.gen = 0  # bumped when the job leaves the running set; stale heap entries are skipped
         self.computed = 0  # positions whose KV was computed so far (prefilled again after a recompute retraction)
 
@@ -160,11 +174,14 @@ class _Job:
         return req
 
 
-class _Loop:
-    def __init__(self, cfg: BenchConfig, workload: Workload, progress: Callable[[int, int], None] | None):
+class ServingLoop:
+    """The scheduler of one run.  :mod:`kvcore.bench.lifecycle`'s policies (offload resume, pd-decode)
+    use only its public part: ``engine``, ``engine_time``, ``result``, ``page_size``, ``step``,
+    ``waiting``, ``retract_mode``, and ``fits``, ``has_free_row``, ``has_running_place``, ``join``."""
+
+    def __init__(self, cfg: BenchConfig, workload: Workload):
         self.cfg = cfg
         self.workload = workload
-        self.progress = progress
         cache, opts = build_cache(cfg, workload)
         self.backend = cache
         self.use_sessions = cfg.sessions and any(s.session_id for s in workload.requests)
@@ -174,28 +191,23 @@ class _Loop:
             self.cache = StreamingSession(cache)
         else:
             self.cache = cache
-        self.ps = cache.page_size
+        self.page_size = cache.page_size
+        self.retract_mode = cfg.retract_mode
         self.metrics = Metrics(cfg.backend, opts, cache)
-        self.res = self.metrics.res
+        self.result = self.metrics.result
         # The pools a new token takes a slot in (the row indexes them); a windowed one also
         # gives slots back as the request slides past its window.
-        self.token_pools = [v for v in cache.pools() if v.record_slots is None]
-        # (name, allocator, windowed) per token pool: _rooms runs for every admission.
-        self._room_pools = [(v.name, v.allocator, v.windowed) for v in self.token_pools]
-        self.windowed = any(v.windowed for v in self.token_pools)
+        token_pools = [v for v in cache.pools() if v.record_slots is None]
+        # (name, allocator, windowed) per token pool: rooms() runs for every admission.
+        self._room_pools = [(v.name, v.allocator, v.windowed) for v in token_pools]
+        self.windowed = any(v.windowed for v in token_pools)
         self.window = int(opts.get("sliding_window_size", 0)) if self.windowed else 0
         if self.windowed:
-            self.res.window_per_request_peak = 0
-            self.res.window_size = self.window
-        alloc = cache.token_to_kv_pool_allocator
-        self.dev = torch.device(alloc.device or "cpu")
-        self.kv = None
-        if _write_kv(cfg):
-            from kvcore.bench.kvwriter import make_kv_writer
-
-            self.kv = make_kv_writer(cache, self.dev, rows=max(cfg.chunk_size, cfg.max_num_reqs),
-                                     layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
-        self.engine = Engine(self.cache, kv_writer=self.kv, release_idle_sessions=False,
+            self.result.window_per_request_peak = 0
+            self.result.window_size = self.window
+        self.dev = torch.device(cache.token_to_kv_pool_allocator.device or "cpu")
+        self.kv_writer = self._make_kv_writer(cache)
+        self.engine = Engine(self.cache, kv_writer=self.kv_writer, release_idle_sessions=False,
                              on_evict=self.metrics.count_evict)
         # --workload pd-decode: requests arrive as KV transfers (kvcore.bench.lifecycle).
         self.pd = PdDecode(self, cfg.transfer_steps) if workload.params.get("pd_decode") else None
@@ -205,64 +217,84 @@ class _Loop:
             from kvcore.bench.workloads import TopKSelector
 
             self.selector = TopKSelector(cache.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
-        self.idle_sessions = self.engine.idle_sessions
-        self.r2t = cache.req_to_token_pool
-        # SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: once a request decoded past the window, its
-        # prefix's window lock goes back (dec_swa_lock_only).  A backend without a window has none to release.
-        self.release_lock = bool(cfg.release_window_lock and self.windowed)
-        if self.release_lock:
-            try:
-                cache.dec_swa_lock_only(None)
-            except NotImplementedError as exc:
-                raise ValueError(f"--release-window-lock: {exc}") from None
-        self.lock_heap: list[tuple[int, int, int, _Job]] = []  # (G at which to release, seq, gen, job)
-        self._check_fits()
+        self.req_to_token_pool = cache.req_to_token_pool
+        self.release_lock = self._window_lock_release(cache)
+        self._check_fits(token_pools)
         # scheduler state
         self.step = 0
         self.seq = 0
-        self.waiting: list[_Job] = []
-        self.running: list[_Job] = []
-        self.G = 0  # decode rounds so far
-        self.finish_heap: list[tuple[int, int, int, _Job]] = []  # (end_g, seq, gen, job)
-        self.window_heap: list[tuple[int, int, int, _Job]] = []  # (G at which to free, seq, gen, job)
-        self.sum_end = 0  # sum of end_g over running jobs
-        self._blocked_job: _Job | None = None
-        self._blocked_room = 0
-        self._dirty = True
-        self._rows_t: torch.Tensor | None = None
-        self._off_t: torch.Tensor | None = None
-        self._off_cpu: torch.Tensor | None = None
-        self.chunked: _Job | None = None
+        self.waiting: list[Job] = []
+        self.running: list[Job] = []
+        self.chunked: Job | None = None
         self.later: list[tuple[int, int, RequestSpec]] = []  # follow-up turns: (ready step, order, spec)
         self.next_turn: dict[str, list[RequestSpec]] = {}
         self.finished = 0
         self.new_token_ratio = 0.7
-        self.bt = Stopwatch()  # time inside the engine (the backend and its pools)
-        self.ct = Stopwatch()  # invariant checks (not part of the run's wall time)
+        self._blocked: tuple[Job, int] | None = None  # the job that last did not fit, and the headroom then
+        # lazy decode state: every running job advances one position per decode round
+        self.decode_round = 0
+        self.finish_heap: list[tuple[int, int, int, Job]] = []  # (end_round, seq, gen, job)
+        self.window_heap: list[tuple[int, int, int, Job]] = []  # (round at which to free, seq, gen, job)
+        self.lock_heap: list[tuple[int, int, int, Job]] = []  # (round at which to release, seq, gen, job)
+        self.sum_end_round = 0  # sum of end_round over running jobs
+        self._batch = _BatchTensors(self.dev)
+        self.engine_time = Stopwatch()  # time inside the engine (the backend and its pools)
+        self.check_time = Stopwatch()  # invariant checks (not part of the run's wall time)
+
+    def _make_kv_writer(self, cache: Any) -> KVWriter | None:
+        if not _write_kv(self.cfg):
+            return None
+        from kvcore.bench.kvwriter import make_kv_writer
+
+        cfg = self.cfg
+        return make_kv_writer(cache, self.dev, rows=max(cfg.chunk_size, cfg.max_num_reqs),
+                              layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
+
+    def _window_lock_release(self, cache: Any) -> bool:
+        """SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: once a request decoded past the window, its
+        prefix's window lock goes back (dec_swa_lock_only).  A backend without a window has none to release."""
+        if not (self.cfg.release_window_lock and self.windowed):
+            return False
+        if not cache.supports_window_lock_release:  # declared by the backend, never probed by calling
+            raise BenchSetupError(
+                f"--release-window-lock: backend {type(cache).__name__} cannot release a window lock early "
+                "(supports_window_lock_release is False)")
+        return True
+
+    # ------------------------------------------------------ the policies' interface
+    def fits(self, need: int) -> bool:
+        """Whether every token pool has room for ``need`` more slots, after the running requests' reserve."""
+        return not any(need > room for room in self.rooms())
+
+    def has_free_row(self) -> bool:
+        return self.req_to_token_pool.available_size() > 0
+
+    def has_running_place(self) -> bool:
+        return len(self.running) < self.cfg.max_num_reqs
 
     # ------------------------------------------------------------------ setup
-    def _check_fits(self) -> None:
+    def _check_fits(self, token_pools: list[PoolView]) -> None:
         biggest = max(self.workload.requests, key=lambda r: r.total_len)
-        ps = self.ps
+        ps = self.page_size
         need = ceil_align(biggest.total_len, ps)
-        for v in self.token_pools:
+        for v in token_pools:
             cap = v.capacity
             if not v.windowed:
                 if need > cap:
-                    raise ValueError(
+                    raise BenchSetupError(
                         f"request {biggest.rid!r} needs {need} token slots but backend {self.cfg.backend!r} has {cap}"
-                        f"{'' if v is self.token_pools[0] else f' in pool {v.name!r}'}; raise --size"
+                        f"{'' if v is token_pools[0] else f' in pool {v.name!r}'}; raise --size"
                     )
                 continue
             need_w = min(need, ceil_align(self.cfg.chunk_size, ps) + self.window + self.cfg.swa_interval + 2 * ps)
             if need_w > cap:
-                raise ValueError(
+                raise BenchSetupError(
                     f"the window pool {v.name!r} ({cap} slots) cannot hold one prefill chunk plus the window "
                     f"({need_w} slots); raise --swa-size or lower --chunk-size"
                 )
 
     # ------------------------------------------------------------- memory
-    def _rooms(self) -> list[int]:
+    def rooms(self) -> list[int]:
         """Per token pool: available + evictable slots minus what the running requests will still decode."""
         sizes = self.backend.cached_sizes()
         full, window = self._reserve()
@@ -273,7 +305,7 @@ class _Loop:
 
     def _reserve(self) -> tuple[int, int]:
         """Slots kept back for the running requests' decoding (SGLang's new-token ratio): (others, windowed)."""
-        full = self.sum_end - len(self.running) * self.G
+        full = self.sum_end_round - len(self.running) * self.decode_round
         window = min(full, len(self.running) * (self.window + self.cfg.swa_interval))
         if self.chunked is not None:
             left = _fill_len(self.chunked.req) - self.chunked.req.kv.kv_allocated_len
@@ -283,17 +315,17 @@ class _Loop:
         return int(full * r), int(window * r) if self.windowed else 0
 
     def _headroom(self) -> int:
-        return min(self._rooms())
+        return min(self.rooms())
 
     def _release_idle_session(self, keep: str | None = None) -> bool:
-        with self.bt:
+        with self.engine_time:
             released = self.engine.release_idle_session(keep)
         if released:
-            self.res.session_releases += 1
+            self.result.session_releases += 1
         return released
 
     # ------------------------------------------------------------ prefill
-    def _extend(self, job: _Job, n: int) -> bool:
+    def _extend(self, job: Job, n: int) -> bool:
         """Prefill ``n`` more positions of ``job``'s ``fill_ids``; False when memory is short.
 
         ``fill_ids`` is the prompt, or, after a recompute retraction, the prompt
@@ -302,49 +334,51 @@ class _Loop:
         req = job.req
         start = req.kv.kv_allocated_len
         end = start + n
-        with self.bt:
+        with self.engine_time:
             # A prompt that finished prefill goes into the tree now (as SGLang's scheduler does),
             # so requests arriving while it decodes can share it.
             ok = self.engine.extend(req, end)
         if not ok:
             return False
         if end > start and start < job.computed:
-            self.res.retract_recomputed_tokens += min(end, job.computed) - start
+            self.result.retract_recomputed_tokens += min(end, job.computed) - start
         job.computed = max(job.computed, end)
         if end < _fill_len(req):
             self.chunked = job
         else:
             self.chunked = None
-            self._join(job)
+            self.join(job)
         return True
 
-    def _admit(self, job: _Job, budget: int, rows_only: bool) -> str:
-        """Try to admit ``job`` with up to ``budget`` prompt tokens: 'ok', 'rows' or 'mem'."""
+    def _admit(self, job: Job, budget: int, rows_only: bool) -> tuple[str, int]:
+        """Try to admit ``job`` with up to ``budget`` prompt tokens: ('ok', tokens prefilled), ('rows', 0)
+        or ('mem', 0)."""
         req = job.req
         engine = self.engine
         sid = req.session_id
-        if rows_only and not (sid is not None and sid in self.idle_sessions):
-            return "rows"
+        if rows_only and not (sid is not None and sid in self.engine.idle_sessions):
+            return "rows", 0
         if req.kv.retraction_backup is not None:
-            return resume_retracted(self, job)  # --retract-mode offload: back without recompute
+            # --retract-mode offload: back without recompute, so nothing of the budget is prefilled
+            return resume_retracted(self, job), 0
         # A waiting request holds nothing (a retracted one keeps its record: reset_for_retract kept its floor).
         req.last_node = None
         req.lock = None
-        with self.bt:
+        with self.engine_time:
             m = engine.match(req)  # on fill_ids: a recompute-retracted request matches prompt + outputs
             prefix_len = m.prefix_len
-            rooms = self._rooms()
+            rooms = self.rooms()
         first = min(budget, _fill_len(req) - prefix_len)
-        ps = self.ps
+        ps = self.page_size
         need = ceil_align(prefix_len + first, ps) - ceil_align(prefix_len, ps) if ps > 1 else first
         if any(need > room for room in rooms):
-            with self.bt:
+            with self.engine_time:
                 engine.cancel(m)
-            return "mem"
-        with self.bt:
+            return "mem", 0
+        with self.engine_time:
             admitted = engine.admit(req, matched=m)
         if not admitted:
-            return "rows"
+            return "rows", 0
         if job.prefix_len < 0:
             # Hit rate counts the first admission: a retracted request re-matching its own
             # chunks is recompute saved, not reuse across requests.
@@ -352,11 +386,10 @@ class _Loop:
         job.admitted = True
         if not self._extend(job, first):
             self._unadmit(job)
-            return "mem"
-        self._admit_used = first
-        return "ok"
+            return "mem", 0
+        return "ok", first
 
-    def _unadmit(self, job: _Job) -> None:
+    def _unadmit(self, job: Job) -> None:
         """Undo an admission (or retract): everything back, nothing cached, the request reset for recompute."""
         retract_job(self, job)  # --retract-mode: recompute (prompt + outputs prefilled again) or offload
         job.admitted = False
@@ -381,72 +414,63 @@ class _Loop:
             if len(self.running) >= self.cfg.max_num_reqs:
                 break
             job = self.waiting[i]
-            if job is self._blocked_job and self._headroom() <= self._blocked_room:
+            blocked = self._blocked
+            if blocked is not None and job is blocked[0] and self._headroom() <= blocked[1]:
                 break  # nothing was freed since this request failed to fit: skip the re-match
-            state = self._admit(job, budget, rows_only)
+            state, n = self._admit(job, budget, rows_only)
             if state == "mem" and self._release_idle_session(keep=job.spec.session_id):
                 continue  # retry with the memory the session held
             if state == "ok":
                 del self.waiting[i]
-                n = self._admit_used
                 budget -= n
                 used += n
             elif state == "rows":
                 rows_only = True  # only requests whose session holds a row can still go in
                 i += 1
             else:
-                self._blocked_job = job
-                self._blocked_room = self._headroom()
+                self._blocked = (job, self._headroom())
                 break
         return used
 
     # ----------------------------------------------------- lazy decode state
-    def _join(self, job: _Job) -> None:
+    def join(self, job: Job) -> None:
+        """``job`` (prefilled, pre-built or resumed) decodes from the next round on."""
         kv = job.req.kv
-        g = self.G
-        job.off = kv.kv_allocated_len - g
-        job.end_g = g + job.spec.output_len - len(job.req.output_ids)
+        g = self.decode_round
+        job.round_offset = kv.kv_allocated_len - g
+        job.end_round = g + job.spec.output_len - len(job.req.output_ids)
         self.running.append(job)
-        self.sum_end += job.end_g
-        heapq.heappush(self.finish_heap, (job.end_g, job.seq, job.gen, job))
+        self.sum_end_round += job.end_round
+        heapq.heappush(self.finish_heap, (job.end_round, job.seq, job.gen, job))
         if self.windowed:
             self._push_window(job)
         if self.release_lock:
             heapq.heappush(self.lock_heap, (g + self.window, job.seq, job.gen, job))
-        self._dirty = True
+        self._batch.stale = True
 
-    def _push_window(self, job: _Job, after: bool = False) -> None:
-        # Free once len - (window + interval) >= cursor, i.e. at G >= cursor + limit - off.
-        at = job.req.kv.swa_evicted_seqlen + self.window + self.cfg.swa_interval - job.off
-        heapq.heappush(self.window_heap, (max(at, self.G + 1 if after else self.G), job.seq, job.gen, job))
+    def _push_window(self, job: Job, after: bool = False) -> None:
+        # Free once len - (window + interval) >= cursor, i.e. at decode round >= cursor + limit - round_offset.
+        at = job.req.kv.swa_evicted_seqlen + self.window + self.cfg.swa_interval - job.round_offset
+        now = self.decode_round
+        heapq.heappush(self.window_heap, (max(at, now + 1 if after else now), job.seq, job.gen, job))
 
-    def _leave(self, job: _Job) -> None:
+    def _leave(self, job: Job) -> None:
         self._sync(job)
         job.computed = max(job.computed, job.req.kv.kv_allocated_len)
         self.running.remove(job)
-        self.sum_end -= job.end_g
+        self.sum_end_round -= job.end_round
         job.gen += 1
-        self._dirty = True
+        self._batch.stale = True
 
-    def _sync(self, job: _Job, outputs: bool = True) -> None:
+    def _sync(self, job: Job, outputs: bool = True) -> None:
         """Write the decode rounds so far into the record (and, unless told not to, the output ids)."""
         req = job.req
-        length = job.off + self.G
+        length = job.round_offset + self.decode_round
         kv = req.kv
         kv.kv_allocated_len = kv.kv_committed_len = length
         # Copying the outputs costs O(length): the window path, which needs only the lengths, skips it.
         if outputs and len(req.output_ids) != length - len(req.origin_input_ids):
             req.output_ids = token_list(job.spec.output[: length - len(req.origin_input_ids)])
-
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._dirty or self._rows_t is None or self._off_t is None or self._off_cpu is None:
-            running = self.running
-            off_cpu = torch.tensor([j.off for j in running], dtype=torch.int64)
-            self._rows_t = torch.tensor([j.req.kv.req_pool_idx for j in running], dtype=torch.int64, device=self.dev)
-            self._off_cpu = off_cpu
-            self._off_t = off_cpu.to(self.dev)
-            self._dirty = False
-        return self._rows_t, self._off_t, self._off_cpu
 
     # ------------------------------------------------------------- decode
     def _retract_newest(self) -> bool:
@@ -460,7 +484,7 @@ class _Loop:
             self._leave(job)
         self._unadmit(job)
         self.waiting.insert(0, job)
-        self.res.retractions += 1
+        self.result.retractions += 1
         self.new_token_ratio = 0.7
         return True
 
@@ -468,13 +492,13 @@ class _Loop:
         """Window free for every running request that slid ``swa_interval`` tokens past its window."""
         heap = self.window_heap
         due = []
-        while heap and heap[0][0] <= self.G:
+        while heap and heap[0][0] <= self.decode_round:
             _, _, gen, job = heapq.heappop(heap)
             if gen == job.gen:
                 self._sync(job, outputs=False)
                 due.append(job)
         # One allocator free for the whole batch, as a scheduler would do it.
-        with self.bt:
+        with self.engine_time:
             self.engine.cache.free_window_slots([job.req for job in due])
         # What a decoding request holds at most: what it keeps now plus the tokens
         # it decodes before its next window free.
@@ -489,50 +513,51 @@ class _Loop:
     def _release_window_locks(self) -> None:
         """Give back the window part of the prefix lock of every request that decoded ``window`` tokens."""
         heap = self.lock_heap
-        backend = self.backend
-        while heap and heap[0][0] <= self.G:
+        cache = self.cache
+        while heap and heap[0][0] <= self.decode_round:
             _, _, gen, job = heapq.heappop(heap)
             req = job.req
-            if gen != job.gen or req.lock is None or req.last_node is None:
+            # A turn running on a session's KV holds no tree lock (its node is the session's stand-in).
+            if gen != job.gen or req.lock is None or req.last_node is None or isinstance(req.last_node, SessionNode):
                 continue
-            with self.bt:
-                backend.dec_swa_lock_only(req.last_node, req.lock)
-            self.res.window_lock_releases += 1
+            with self.engine_time:
+                cache.dec_swa_lock_only(req.last_node, req.lock)
+            self.result.window_lock_releases += 1
 
     def _decode(self) -> int:
         if not self.running:
             return 0
-        if self.windowed and self.window_heap and self.window_heap[0][0] <= self.G:
+        if self.windowed and self.window_heap and self.window_heap[0][0] <= self.decode_round:
             self._free_window()
-        if self.lock_heap and self.lock_heap[0][0] <= self.G:
+        if self.lock_heap and self.lock_heap[0][0] <= self.decode_round:
             self._release_window_locks()
         engine = self.engine
         while True:
             n = len(self.running)
             if n == 0:
                 return 0
-            rows_t, off_t, off_cpu = self._tensors()
+            rows_t, off_t, off_cpu = self._batch.tensors(self.running)
             # A sparse backend maps the new tokens first (on_decode_step); their K/V is written after.
             writer = engine.kv_writer
             if self.sparse is not None:
                 engine.kv_writer = None
-            with self.bt:
-                slots = engine.alloc_decode(rows_t, off_t + self.G, off_cpu + self.G)
+            with self.engine_time:
+                slots = engine.alloc_decode(rows_t, off_t + self.decode_round, off_cpu + self.decode_round)
             engine.kv_writer = writer
             if slots is not None:
                 break
             if not self._release_idle_session():
                 self._retract_newest()
-        self.G += 1
-        if n > self.res.running_peak:
-            self.res.running_peak = n
+        self.decode_round += 1
+        if n > self.result.running_peak:
+            self.result.running_peak = n
         if self.sparse is not None:
             self._sparse_step(slots)
         self.metrics.sample(self.step)
         heap = self.finish_heap
-        if heap and heap[0][0] <= self.G:
+        if heap and heap[0][0] <= self.decode_round:
             done = []
-            while heap and heap[0][0] <= self.G:
+            while heap and heap[0][0] <= self.decode_round:
                 _, _, gen, job = heapq.heappop(heap)
                 if gen == job.gen:
                     done.append(job)
@@ -547,17 +572,17 @@ class _Loop:
         reqs = [job.req for job in self.running]
         selections = self.selector([req.kv.kv_allocated_len for req in reqs])
         assert self.sparse is not None
-        with self.bt:
+        with self.engine_time:
             self.sparse.on_decode_step(reqs, selections)
             if self.engine.kv_writer is not None:
                 self.engine.kv_writer(slots)
 
-    def _finish(self, done: list[_Job]) -> None:
+    def _finish(self, done: list[Job]) -> None:
         engine = self.engine
         for job in done:
             self._leave(job)
             spec = job.spec
-            with self.bt:
+            with self.engine_time:
                 engine.finish(job.req)  # a non-final turn on a session leaves the session idle
             sid = spec.session_id
             if sid is not None:
@@ -566,7 +591,7 @@ class _Loop:
                     follow = nxt.pop(0)
                     heapq.heappush(self.later, (self.step + follow.think, self._order(), follow))
                 if self.use_sessions and spec.last_turn:
-                    with self.bt:
+                    with self.engine_time:
                         engine.end_session(sid)
             self.finished += 1
             self.metrics.request_done(spec.prompt_len, job.prefix_len)
@@ -588,19 +613,19 @@ class _Loop:
         return owners
 
     def _check(self) -> None:
-        res = self.res
-        res.checks += 1
-        with self.ct:
+        result = self.result
+        result.checks += 1
+        with self.check_time:
             try:
                 self.engine.check(self._owners())
             except InvariantViolation as exc:
-                res.invariant_violations += 1
-                if len(res.violations) < 5:
-                    res.violations.append(f"step {self.step}: {exc}")
-        res.check_s = self.ct.seconds
+                result.invariant_violations += 1
+                if len(result.violations) < 5:
+                    result.violations.append(f"step {self.step}: {exc}")
+        result.check_s = self.check_time.seconds
 
     # ------------------------------------------------------------- the run
-    def run(self) -> RunResult:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> RunResult:
         from kvcore.devices import synchronize
 
         specs = self.workload.requests
@@ -614,22 +639,22 @@ class _Loop:
             turns.sort(key=lambda s: s.turn)
         total = len(specs)
         nxt = 0
-        step_us = self.res.step_us
+        step_us = self.result.step_us
         pc = time.perf_counter
         sync = self.dev.type != "cpu"
         check_every = self.cfg.check_every
         idle_rounds = 0
-        if self.progress is not None:
-            self.progress(0, total)
+        if progress is not None:
+            progress(0, total)
         t_start = pc()
         while self.finished < total:
             step = self.step
             t0 = pc()
             while nxt < len(firsts) and firsts[nxt].arrival <= step:
-                self.waiting.append(_Job(firsts[nxt], self._order()))
+                self.waiting.append(Job(firsts[nxt], self._order()))
                 nxt += 1
             while self.later and self.later[0][0] <= step:
-                self.waiting.append(_Job(heapq.heappop(self.later)[2], self._order()))
+                self.waiting.append(Job(heapq.heappop(self.later)[2], self._order()))
             if not self.waiting and not self.running and self.chunked is None and not (self.pd and self.pd.in_flight):
                 # Idle: jump to the next arrival without counting a step.
                 upcoming = [firsts[nxt].arrival] if nxt < len(firsts) else []
@@ -659,36 +684,59 @@ class _Loop:
                 idle_rounds = 0
             if check_every and step % check_every == 0:
                 self._check()
-            if self.progress is not None and step % 64 == 0:
-                self.progress(self.finished, total)
+            if progress is not None and step % 64 == 0:
+                progress(self.finished, total)
             self.step = step + 1
-        wall = pc() - t_start - self.res.check_s
-        if self.progress is not None:
-            self.progress(self.finished, total)
+        wall = pc() - t_start - self.result.check_s
+        if progress is not None:
+            progress(self.finished, total)
         return self._final(wall)
 
     def _final(self, wall: float) -> RunResult:
-        res = self.res
-        for sid in list(self.idle_sessions):
+        result = self.result
+        for sid in list(self.engine.idle_sessions):
             self.engine.end_session(sid)
-        res.wall_s = wall
-        kv = self.kv
-        if kv is not None:
-            res.kv_write_s = kv.seconds
-            res.kv_bytes_written = kv.bytes_written
-        res.backend_s = max(0.0, self.bt.seconds - res.kv_write_s)  # K/V writes happen inside engine calls
-        res.steps = len(res.step_us)
-        res.prompt_tokens = self.workload.prompt_tokens
-        res.output_tokens = self.workload.output_tokens
-        res.leaked_slots = self.metrics.final_pools()
-        res.leaked_rows = self.r2t.num_rows - self.r2t.available_size()
-        res.backend_stats = dict(self.backend.stats())
+        result.wall_s = wall
+        writer = self.kv_writer
+        if writer is not None:
+            result.kv_write_s = writer.seconds
+            result.kv_bytes_written = writer.bytes_written
+        # K/V writes happen inside engine calls.
+        result.backend_s = max(0.0, self.engine_time.seconds - result.kv_write_s)
+        result.steps = len(result.step_us)
+        result.prompt_tokens = self.workload.prompt_tokens
+        result.output_tokens = self.workload.output_tokens
+        result.leaked_slots = self.metrics.final_pools()
+        result.leaked_rows = self.req_to_token_pool.num_rows - self.req_to_token_pool.available_size()
+        result.backend_stats = dict(self.backend.stats())
         self.running = []
         self.chunked = None
         self._check()
-        res.timeline = self.metrics.tl
-        res.infinite_cached_tokens = infinite_cache_hits(self.workload, self.ps)
-        return res
+        result.timeline = self.metrics.tl
+        result.infinite_cached_tokens = infinite_cache_hits(self.workload, self.page_size)
+        return result
+
+
+class _BatchTensors:
+    """The running batch's rows and round offsets as tensors, rebuilt only after the batch changed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stale = True
+        self._rows: torch.Tensor | None = None
+        self._offsets: torch.Tensor | None = None
+        self._offsets_cpu: torch.Tensor | None = None
+
+    def tensors(self, running: list[Job]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows on the device, round offsets on the device, round offsets on the CPU)."""
+        if self.stale or self._rows is None or self._offsets is None or self._offsets_cpu is None:
+            offsets_cpu = torch.tensor([j.round_offset for j in running], dtype=torch.int64)
+            self._rows = torch.tensor([j.req.kv.req_pool_idx for j in running], dtype=torch.int64,
+                                      device=self.device)
+            self._offsets_cpu = offsets_cpu
+            self._offsets = offsets_cpu.to(self.device)
+            self.stale = False
+        return self._rows, self._offsets, self._offsets_cpu
 
 
 def infinite_cache_hits(workload: Workload, page_size: int) -> int:
@@ -711,4 +759,4 @@ def infinite_cache_hits(workload: Workload, page_size: int) -> int:
 
 def run_workload(cfg: BenchConfig, workload: Workload, progress: Callable[[int, int], None] | None = None) -> RunResult:
     """Run ``workload`` through backend ``cfg.backend`` and return the measurements."""
-    return _Loop(cfg, workload, progress).run()
+    return ServingLoop(cfg, workload).run(progress)

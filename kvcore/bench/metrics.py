@@ -65,7 +65,7 @@ class Metrics:
 
     def __init__(self, backend: str, options: dict, cache: Any) -> None:
         self.cache = cache
-        self.res = RunResult(backend=backend, options=options)
+        self.result = RunResult(backend=backend, options=options)
         views = cache.pools()
         self._pools = [(v.name, v.allocator, v.capacity) for v in views]
         self.capacities = {name: cap for name, _, cap in self._pools}
@@ -85,21 +85,21 @@ class Metrics:
     # ------------------------------------------------------------ counters
     def count_evict(self, r: Any) -> None:
         """``Engine(on_evict=...)``: one ``make_room`` call and what it evicted."""
-        res = self.res
-        res.evict_calls += 1
+        result = self.result
+        result.evict_calls += 1
         if r is not None:
-            res.evictions += r.num_tokens_evicted
-            res.swa_evictions += r.swa_num_tokens_evicted
+            result.evictions += r.num_tokens_evicted
+            result.swa_evictions += r.swa_num_tokens_evicted
 
     def request_done(self, prompt_len: int, cached: int) -> None:
         self._cum_prompt += prompt_len
         self._cum_cached += cached
-        self.res.cached_tokens += cached
+        self.result.cached_tokens += cached
 
     def window_held(self, held: int) -> None:
-        res = self.res
-        if res.window_per_request_peak is None or held > res.window_per_request_peak:
-            res.window_per_request_peak = held
+        result = self.result
+        if result.window_per_request_peak is None or held > result.window_per_request_peak:
+            result.window_per_request_peak = held
 
     # ------------------------------------------------------------ samples
     def sample(self, step: int) -> None:
@@ -122,7 +122,7 @@ class Metrics:
 
     # ------------------------------------------------------------ the end
     def final_pools(self) -> int:
-        """Fill ``res.pools`` from the pools as they are now; returns the slots leaked over all of them."""
+        """Fill ``result.pools`` from the pools as they are now; returns the slots leaked over all of them."""
         sizes = self.cache.cached_sizes()
         leaked = 0
         out = []
@@ -135,5 +135,5 @@ class Metrics:
                 "name": name, "capacity": cap, "available": avail, "evictable": int(ev), "protected": int(prot),
                 "leaked": lost, "peak": self.peak[name], "peak_occupied": self.peak_occ[name],
             })
-        self.res.pools = out
+        self.result.pools = out
         return leaked
