@@ -87,30 +87,33 @@ def mrc(
 ) -> None:
     """Hit rate at every cache size: LRU by stack distances, Belady's offline optimum, the infinite ceiling."""
     from kvcore.bench.sizing import get_model
+    from kvcore.commands.errors import usage_phase
     from kvcore.bench.workloads import make_workload
     from kvcore.mrc.curve import compute_mrc
     from kvcore.mrc.simulate import simulate_points
 
-    layout = get_model(model)
-    if (simulate is None) != (sizes is None):
-        raise ValueError("--simulate and --sizes go together: --simulate radix:lru --sizes 16K,64K")
-    sim_sizes = parse_sizes(sizes) if sizes is not None else []
-    sim = parse_simulate(simulate) if simulate is not None else []
-    if plot is not None and not plot.lower().endswith(".png"):
-        raise ValueError(f"--plot {plot!r}: write a .png file")
-    if sim:
-        from kvcore.plugins import available_backends
-        from kvcore.tree import resolve_policy
+    # Options, the workload or trace, and the page size: a mistake there is a usage error (one line, exit 2).
+    with usage_phase():
+        layout = get_model(model)
+        if (simulate is None) != (sizes is None):
+            raise ValueError("--simulate and --sizes go together: --simulate radix:lru --sizes 16K,64K")
+        sim_sizes = parse_sizes(sizes) if sizes is not None else []
+        sim = parse_simulate(simulate) if simulate is not None else []
+        if plot is not None and not plot.lower().endswith(".png"):
+            raise ValueError(f"--plot {plot!r}: write a .png file")
+        if sim:
+            from kvcore.plugins import available_backends
+            from kvcore.tree import resolve_policy
 
-        known = available_backends()
-        for backend, policy in sim:
-            if backend not in known:
-                raise ValueError(f"--simulate: unknown backend {backend!r}; installed: {', '.join(known)}")
-            if policy is not None:
-                resolve_policy(policy)
-    name = workload or ("trace" if trace is not None else "zipf")
-    wl = make_workload(name, seed=seed, num_requests=num_requests, trace=trace)
-    curve = compute_mrc(wl, page_size, points=points, extra_sizes=sim_sizes)
+            known = available_backends()
+            for backend, policy in sim:
+                if backend not in known:
+                    raise ValueError(f"--simulate: unknown backend {backend!r}; installed: {', '.join(known)}")
+                if policy is not None:
+                    resolve_policy(policy)
+        name = workload or ("trace" if trace is not None else "zipf")
+        wl = make_workload(name, seed=seed, num_requests=num_requests, trace=trace)
+        curve = compute_mrc(wl, page_size, points=points, extra_sizes=sim_sizes)
     if sim:
         curve.simulated = simulate_points(sim, sim_sizes, workload=name, seed=seed, num_requests=num_requests,
                                           trace=trace, page_size=page_size, max_num_reqs=max_num_reqs)
