@@ -35,6 +35,7 @@ from kvcore.release import (
     release_kv_cache,
 )
 from kvcore.session import SessionSlot, StreamingSession
+from kvcore.stores import KVStore, StoreNamespace, available_stores, open_store
 
 __version__ = _version("kvcore")
 
@@ -52,6 +53,7 @@ __all__ = [
     "InsertResult",
     "InvariantChecker",
     "InvariantViolation",
+    "KVStore",
     "KvBufferConfig",
     "KvcoreError",
     "LockResult",
@@ -67,11 +69,13 @@ __all__ = [
     "SWATokenToKVPoolAllocator",
     "SessionSlot",
     "SlotOwner",
+    "StoreNamespace",
     "StreamingSession",
     "TokenToKVPoolAllocator",
     "TreeCacheConfig",
     "available_backends",
     "available_eviction_policies",
+    "available_stores",
     "cache_unfinished_req",
     "create_cache",
     "free_swa_out_of_window_slots",
@@ -79,6 +83,7 @@ __all__ = [
     "free_window_slots",
     "hookimpl",
     "hookspec",
+    "open_store",
     "plugin_failures",
     "release_kv_cache",
 ]

@@ -44,12 +44,13 @@ __all__ = [
 DISABLE_AUTOLOAD_ENV = "KVCORE_DISABLE_PLUGIN_AUTOLOAD"
 BLOCK_ENV = "KVCORE_BLOCK_PLUGINS"
 ENTRY_POINT_GROUP = "kvcore"
-_BUILTIN_MODULES = ("kvcore.builtin_backends", "kvcore.builtin_devices")
+_BUILTIN_MODULES = ("kvcore.builtin_backends", "kvcore.builtin_devices", "kvcore.stores.builtin")
 _HOOK_NAMES = (
     "kvcore_register_backends",
     "kvcore_register_devices",
     "kvcore_register_eviction_policies",
     "kvcore_register_components",
+    "kvcore_register_stores",
     "kvcore_cache_created",
 )
 
