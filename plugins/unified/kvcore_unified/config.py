@@ -8,11 +8,12 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 
 from kvcore.components import TreeComponent, get_component
 from kvcore.config import TreeCacheConfig
+from kvcore.tiers import TieredCacheConfig
 
 __all__ = ["UnifiedConfig", "UnifiedMambaConfig", "UnifiedSWAConfig"]
 
 
-class UnifiedConfig(TreeCacheConfig):
+class UnifiedConfig(TieredCacheConfig):
     """Options of ``unified``: ``components`` (``full`` first), the tree's options and each component's.
 
     A component's options (``sliding_window_size`` and ``swa_size`` for ``swa``, ...) are
