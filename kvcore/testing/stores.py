@@ -237,3 +237,40 @@ class StoreConformance:
         for keys in other:
             assert not set(keys) & set(mine)
             assert store.batch_exists(keys) == 0
+
+
+# -- engines on a store: helpers for tier and fault tests -------------------------------------
+
+
+def row_kv(cache, req, n: int):
+    """K then V of every layer at the first ``n`` positions of ``req``'s row: ``(2 * layers, n, heads, dim)``."""
+    import torch
+
+    slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:n].to(torch.int64)
+    pool = cache.kv_pool
+    layers = range(pool.layer_num)
+    return torch.stack([pool.get_key_buffer(i)[slots] for i in layers]
+                       + [pool.get_value_buffer(i)[slots] for i in layers]).clone()
+
+
+def serve_with_kv(cache, rid: str, tokens, seed: int = 0):
+    """Admit and prefill ``tokens`` through the engine, writing seeded random K/V for what was computed.
+
+    Returns ``(req, prefix_len, kv)``: the running request (finish it), how many tokens
+    the match gave, and ``row_kv`` of the whole prompt.
+    """
+    import torch
+
+    from kvcore.testing.helpers import admit, make_req, prefill
+
+    req = make_req(rid, list(tokens))
+    assert admit(cache, req), f"{rid}: no req_to_token row"
+    hit = len(req.prefix_indices)
+    assert prefill(cache, req), f"{rid}: slots ran short"
+    slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][hit:len(req.fill_ids)].to(torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    pool = cache.kv_pool
+    for i in range(pool.layer_num):
+        shape = (slots.numel(), pool.head_num, pool.head_dim)
+        pool.set_kv_buffer(i, slots, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    return req, hit, row_kv(cache, req, len(req.fill_ids))

@@ -19,6 +19,13 @@ from kvcore.pools import PoolView, TokenToKVPoolAllocator
 __all__ = ["HostTier"]
 
 
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+def _no_slots(kv: object) -> tuple[torch.Tensor, int]:
+    return _NONE, 0
+
+
 class HostTier:
     def __init__(self, size: int, page_size: int, page_bytes: int) -> None:
         self.page_size = page_size
@@ -29,7 +36,8 @@ class HostTier:
         self.pages: OrderedDict[str, int] = OrderedDict()
 
     def view(self) -> PoolView:
-        return PoolView("host", self.allocator)
+        # No request row points into the host pool: a record owns none of its slots.
+        return PoolView("host", self.allocator, record_slots=_no_slots)
 
     def cached_tokens(self) -> int:
         return len(self.pages) * self.page_size

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import kvcore
+import kvcore.testing
 from kvcore.testing import admit, finish, make_req, prefill
+from kvcore.testing.stores import row_kv
+from kvcore.testing.stores import serve_with_kv as serve
 
 KV = {"num_layers": 2, "num_heads": 2, "head_dim": 8, "dtype": "float16"}
 
@@ -15,30 +18,6 @@ def build(backend="radix", **options):
     opts = dict(size=256, page_size=4, max_num_reqs=8, max_context_len=128, kv_buffer=KV)
     opts.update(options)
     return kvcore.create_cache(backend, **opts)
-
-
-def row_kv(cache, req, n):
-    """K and V bytes of the first ``n`` positions of ``req``'s row, every layer."""
-    slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][:n].to(torch.int64)
-    pool = cache.kv_pool
-    return torch.stack([pool.get_key_buffer(i)[slots] for i in range(pool.layer_num)]
-                       + [pool.get_value_buffer(i)[slots] for i in range(pool.layer_num)]).clone()
-
-
-def serve(cache, rid, tokens, seed=0):
-    """Admit and prefill ``tokens``, write random K/V for what was computed; returns (req, prefix_len, kv)."""
-    req = make_req(rid, tokens)
-    assert admit(cache, req)
-    hit = len(req.prefix_indices)
-    assert prefill(cache, req)
-    slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx][hit:len(tokens)].to(torch.int64)
-    g = torch.Generator().manual_seed(seed)
-    pool = cache.kv_pool
-    for i in range(pool.layer_num):
-        shape = (slots.numel(), pool.head_num, pool.head_dim)
-        pool.set_kv_buffer(i, slots, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-    kv = row_kv(cache, req, len(tokens))
-    return req, hit, kv
 
 
 @pytest.mark.parametrize("backend", ["radix", "unified"])
@@ -127,3 +106,17 @@ def test_bad_tier_options_are_refused(options, match):
 def test_unified_refuses_tiers_with_window_components():
     with pytest.raises(kvcore.ConfigError, match="full"):
         build("unified", components=("full", "swa"), sliding_window_size=8, swa_size=256, host_size=16)
+
+
+class TestTieredRadixConformance(kvcore.testing.PrefixCacheConformance):
+    """The whole backend kit on radix with both tiers on (a private memory store: each cache its own)."""
+
+    backend = "radix"
+    backend_options = {"host_size": 256, "store": "memory://", "kv_buffer": KV}
+    state_machine_examples = 8
+
+
+class TestTieredUnifiedConformance(kvcore.testing.PrefixCacheConformance):
+    backend = "unified"
+    backend_options = {"host_size": 256, "store": "memory://", "kv_buffer": KV}
+    state_machine_examples = 8

@@ -7,7 +7,6 @@ from typing import Any
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kvcore.components import TreeComponent, get_component
-from kvcore.config import TreeCacheConfig
 from kvcore.tiers import TieredCacheConfig
 
 __all__ = ["UnifiedConfig", "UnifiedMambaConfig", "UnifiedSWAConfig"]

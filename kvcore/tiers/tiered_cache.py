@@ -91,6 +91,7 @@ class TieredCacheMixin:
         self.tier_counters = TierCounters()
         # A disabled tree caches nothing, so there is nothing to write through.
         self._tiers_off = config.disable
+        self._resetting = False
         self._pending_keys: list[str] = []
         self._pending_values: list[bytes] = []
         self._written: OrderedDict[str, None] = OrderedDict()
@@ -264,7 +265,7 @@ class TieredCacheMixin:
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
         yield from super().iter_owned_slots()  # type: ignore[misc]
-        if self.host is not None:
+        if self.host is not None and not self._resetting:
             yield from self.host.owned_slots()
 
     def tier_stats(self) -> dict[str, Any]:
@@ -281,7 +282,12 @@ class TieredCacheMixin:
         return {**base, **{k: v for k, v in asdict(self.tier_counters).items() if v}}
 
     def reset(self) -> None:
-        super().reset()  # type: ignore[misc]
+        # A backend's reset may free every slot iter_owned_slots() yields: hide the host pool's meanwhile.
+        self._resetting = True
+        try:
+            super().reset()  # type: ignore[misc]
+        finally:
+            self._resetting = False
         if self.host is not None:
             self.host.clear()
         self._pending_keys, self._pending_values = [], []
