@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvcore.stores import KVStore, StoreURL
@@ -27,6 +27,7 @@ from kvcore_redis.config import RedisOptions
 
 __all__ = ["RedisStore", "RedisClusterStore"]
 
+_SLOTS = 16384
 # Everything kvcore writes starts with this; clear() deletes only these keys.
 _KVCORE_KEYS = "kvcore*"
 
@@ -180,15 +181,17 @@ class RedisStore(_RedisBase):
 class RedisClusterStore(_RedisBase):
     """``redis+cluster://host:port[,host:port...][?timeout=S&ttl=S&backoff=S]``: a Redis Cluster.
 
-    The slot map comes from the cluster (any reachable node of the list); keys go
-    to their slot's master over a plain client per node.
+    The slot map comes from ``CLUSTER SLOTS`` of the first node of the list (or one
+    learnt since) that answers; keys go to their slot's master over a plain client
+    per node.  A ``MOVED`` reply (the cluster was resharded) drops the map, so the
+    next call reads it again.
     """
 
     def __init__(self, url: str, nodes: list[tuple[str, int]], opts: RedisOptions) -> None:
         super().__init__(url, opts)
-        self._startup = nodes
-        self._cluster: RedisCluster | None = None
+        self._startup = [f"{h}:{p}" for h, p in nodes]
         self._nodes: dict[str, _Node] = {}
+        self._slots: list[str] | None = None  # slot -> "host:port" of its master
 
     @classmethod
     def from_url(cls, url: StoreURL) -> RedisClusterStore:
@@ -199,33 +202,57 @@ class RedisClusterStore(_RedisBase):
         nodes = [_host_port(part, url.url) for part in url.netloc.split(",") if part]
         return cls(url.url, nodes, url.options_as(RedisOptions))
 
-    def _topology(self) -> RedisCluster:
-        # Connected lazily: opening a store never fails because the cluster is down.
-        with self._lock:
-            if self._cluster is None:
-                self._cluster = RedisCluster(
-                    startup_nodes=[ClusterNode(h, p) for h, p in self._startup],
-                    require_full_coverage=False, **_client_options(self.options),
-                )
-            return self._cluster
-
-    def _node(self, cnode: ClusterNode) -> _Node:
-        node = self._nodes.get(cnode.name)
+    def _node(self, name: str) -> _Node:
+        node = self._nodes.get(name)
         if node is None:
-            client = redis.Redis(host=cnode.host, port=cnode.port, **_client_options(self.options))
-            node = self._nodes.setdefault(cnode.name, _Node(cnode.name, client))
+            host, _, port = name.rpartition(":")
+            client = redis.Redis(host=host, port=int(port), **_client_options(self.options))
+            node = self._nodes.setdefault(name, _Node(name, client))
         return node
 
-    def client_for(self, key: str) -> redis.Redis:
-        """The client of the master that holds ``key`` (tests write raw bytes with it)."""
-        return self._node(self._topology().get_node_from_key(key)).client
+    def _slot_map(self) -> list[str]:
+        """Slot -> master; read lazily (opening never fails because the cluster is down)."""
+        with self._lock:
+            if self._slots is not None:
+                return self._slots
+            last: Exception | None = None
+            for name in dict.fromkeys([*self._startup, *self._nodes]):
+                node = self._node(name)
+                try:
+                    ranges = node.client.execute_command("CLUSTER SLOTS")
+                except (redis.RedisError, OSError) as exc:
+                    last = exc
+                    continue
+                slots = [""] * _SLOTS
+                for lo, hi, master, *_ in ranges:
+                    host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                    slots[lo : hi + 1] = [f"{host or node.name.rpartition(':')[0]}:{master[1]}"] * (hi - lo + 1)
+                self._slots = slots
+                return slots
+            raise redis.ConnectionError(f"no node of {', '.join(self._startup)} answered CLUSTER SLOTS ({last})")
 
     def node_of(self, key: str) -> str:
         """``host:port`` of the master that holds ``key``."""
-        return self._topology().get_node_from_key(key).name
+        return self._slot_map()[key_slot(key.encode("utf-8"))]
+
+    def client_for(self, key: str) -> redis.Redis:
+        """The client of the master that holds ``key`` (tests write raw bytes with it)."""
+        return self._node(self.node_of(key)).client
 
     def corrupt(self, key: str, data: bytes) -> None:
         self.client_for(key).set(key, data)
+
+    def _per_node(self, what: str, keys: list[str], miss: Any,
+                  run: Callable[[_Node, list[str], list[int]], Sequence[Any]]) -> list[Any]:
+        def guarded(node: _Node, ks: list[str], idx: list[int]) -> Sequence[Any]:
+            try:
+                return run(node, ks, idx)
+            except redis.ResponseError as exc:
+                if str(exc).startswith(("MOVED", "ASK")):
+                    self._slots = None  # resharded: read the map again next time
+                raise
+
+        return super()._per_node(what, keys, miss, guarded)
 
     def _get(self, keys: list[str]) -> list[bytes | None]:
         # MGET on a cluster node needs one slot: a pipeline of GETs is still one round trip per node.
@@ -238,22 +265,21 @@ class RedisClusterStore(_RedisBase):
         return self._per_node("get", keys, None, run)
 
     def _groups(self, keys: list[str]) -> list[tuple[_Node, list[int]]]:
-        cluster = self._topology()
+        slots = self._slot_map()
         groups: dict[str, tuple[_Node, list[int]]] = {}
         for i, k in enumerate(keys):
-            cnode = cluster.get_node_from_key(k)
-            entry = groups.get(cnode.name)
+            name = slots[key_slot(k.encode("utf-8"))]
+            entry = groups.get(name)
             if entry is None:
-                entry = groups[cnode.name] = (self._node(cnode), [])
+                entry = groups[name] = (self._node(name), [])
             entry[1].append(i)
         return list(groups.values())
 
     def _all_nodes(self) -> list[_Node]:
-        if self._cluster is None:
-            return list(self._nodes.values())
-        return [self._node(n) for n in self._cluster.get_primaries()]
+        if self._slots is None:
+            return []
+        return [self._node(n) for n in dict.fromkeys(self._slots) if n]
 
     def _close(self) -> None:
-        super()._close()
-        if self._cluster is not None:
-            self._cluster.close()
+        for node in self._nodes.values():
+            node.client.close()
