@@ -27,6 +27,7 @@ def run_bench(backends: list[str], *, workload: str = "shared-prefix", seed: int
     """
     from kvcore.bench.loop import BenchConfig, run_workload
     from kvcore.bench.report import make_report
+    from kvcore.bench.tiers import report_fields
     from kvcore.bench.workloads import make_workload
 
     wl = make_workload(workload, seed=seed, num_requests=num_requests, trace=trace, step_ms=step_ms)
@@ -35,6 +36,7 @@ def run_bench(backends: list[str], *, workload: str = "shared-prefix", seed: int
         cfg = BenchConfig(backend=name, **config)
         res = run_workload(cfg, wl, progress=progress(name) if progress else None)
         rep = make_report(cfg, wl, res)
+        rep.update(report_fields(res.tiers, res.cached_tokens))
         rep["_timeline"] = res.timeline
         reports.append(rep)
     return reports

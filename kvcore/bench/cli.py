@@ -397,6 +397,17 @@ def bench(
             ),
         ),
     ] = 0.5,
+    host_size: Annotated[
+        int, typer.Option("--host-size", help="Host-tier token slots under the device tree (radix, unified).")
+    ] = 0,
+    store: Annotated[
+        str | None,
+        typer.Option("--store", help="A KV store URL under the host tier (memory://, file:///dir, redis://host:port/0, "
+                     "redis+cluster://host:port,...); --instances clears kvcore's keys in it first."),
+    ] = None,
+    instances: Annotated[
+        int, typer.Option("--instances", help="Engine processes sharing --store, the workload split between them.")
+    ] = 1,
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
 
@@ -443,6 +454,9 @@ def bench(
         _check_limits(size or _DEFAULT_SIZE, swa_size, max_num_reqs, num_requests)
     if plot is not None:
         _check_plot(plot)
+    from kvcore.bench.tiers import check_tier_options
+
+    check_tier_options(host_size, store, instances, page_size)
 
     if reference is not None:
         get_backend(reference)
@@ -456,8 +470,25 @@ def bench(
         eviction_policy=eviction_policy, write_kv=write_kv, topk_locality=topk_locality,
         model=model, kv_budget=budget, swa_full_tokens_ratio=swa_full_tokens_ratio,
         release_window_lock=release_window_lock, retract_mode=retract_mode, pre_alloc_size=pre_alloc_size,
-        transfer_steps=transfer_steps,
+        transfer_steps=transfer_steps, host_size=host_size, store=store,
     )
+    if instances > 1:
+        from kvcore.bench.tiers import render_instances, run_instances
+
+        if len(names) > 1:
+            raise ValueError("--instances runs one backend: give --backend alone")
+        rep = run_instances(names[0], instances, workload=workload, seed=seed, num_requests=num_requests,
+                            trace=trace, step_ms=step_ms, **config)
+        if as_json:
+            import json
+
+            typer.echo(json.dumps(rep, indent=2))
+        else:
+            typer.echo(render_instances(rep))
+        if rep["leaked_slots"] or rep["leaked_rows"] or rep["invariant_violations"]:
+            typer.echo(f"kvcore: {names[0]} failed the leak check over {instances} instances", err=True)
+            raise typer.Exit(2)
+        return
     run_names = list(names)
     with_reference = False
     if len(names) == 1 and not no_reference:

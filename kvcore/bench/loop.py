@@ -72,6 +72,8 @@ class BenchConfig:
     retract_mode: str = "recompute"  # or "offload": a host copy of the KV, resumed without recompute
     pre_alloc_size: int = 0  # pd-decode: rows for pre-allocated requests on top of max_num_reqs
     transfer_steps: int = 4  # pd-decode: steps a KV transfer from the prefill server takes
+    host_size: int = 0  # tiers (kvcore.bench.tiers): host-tier token slots
+    store: str | None = None  # tiers: a KV store URL
 
 
 def config_fields(backend: str) -> set[str]:
@@ -109,13 +111,18 @@ def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
         opts["eviction_policy"] = cfg.eviction_policy
     if cfg.pre_alloc_size:
         opts["pre_alloc_size"] = cfg.pre_alloc_size
+    from kvcore.bench.tiers import tier_options
+
+    opts.update(tier_options(cfg.backend, fields, cfg.host_size, cfg.store))
     if _write_kv(cfg):
         opts["kv_buffer"] = {"num_layers": cfg.kv_layers, "num_heads": cfg.kv_heads, "head_dim": cfg.kv_head_dim}
     return opts
 
 
 def _write_kv(cfg: BenchConfig) -> bool:
-    return cfg.write_kv if cfg.write_kv is not None else not str(cfg.device).startswith("cpu")
+    # Tiers move the K/V bytes of pages, so there must be real bytes to move.
+    tiers = bool(cfg.host_size or cfg.store)
+    return cfg.write_kv if cfg.write_kv is not None else tiers or not str(cfg.device).startswith("cpu")
 
 
 def build_cache(cfg: BenchConfig, workload: Workload):
@@ -195,6 +202,9 @@ class _Loop:
 
             self.kv = make_kv_writer(cache, self.dev, rows=max(cfg.chunk_size, cfg.max_num_reqs),
                                      layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
+        from kvcore.bench.tiers import BenchTiers
+
+        self.tiers = BenchTiers.attach(cache)
         self.engine = Engine(self.cache, kv_writer=self.kv, release_idle_sessions=False,
                              on_evict=self.metrics.count_evict)
         # --workload pd-decode: requests arrive as KV transfers (kvcore.bench.lifecycle).
@@ -640,6 +650,8 @@ class _Loop:
             before = self.finished
             work = self._prefill()
             work += self._decode()
+            if self.tiers is not None:
+                self.tiers.after_step()  # store writes at the end of the step, never on the match path
             if sync:
                 synchronize(self.dev)
             step_us.append((pc() - t0) * 1e6)
@@ -683,6 +695,8 @@ class _Loop:
         res.leaked_slots = self.metrics.final_pools()
         res.leaked_rows = self.r2t.num_rows - self.r2t.available_size()
         res.backend_stats = dict(self.backend.stats())
+        if self.tiers is not None:
+            res.tiers = self.tiers.finish()
         self.running = []
         self.chunked = None
         self._check()

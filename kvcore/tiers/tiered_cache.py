@@ -10,9 +10,9 @@ leaves the tree's internals alone:
   request at most).  What is found is copied into fresh device slots (the device
   tree evicts to make room, with the matched prefix locked meanwhile), inserted
   into the device tree, and the match is answered again.
-- ``cache_finished_req``: before the tree takes the request's slots, the K/V
-  bytes of its whole pages that the host tier lacks are copied to it (write-
-  through), and queued for the store.
+- ``cache_finished_req`` / ``cache_unfinished_req``: before the tree takes the
+  request's slots, the K/V bytes of its whole committed pages that the host tier
+  lacks are copied to it (write-through), and queued for the store.
 - ``flush()``: sends the queued pages to the store in one ``batch_set``; the
   bench calls it at the end of each step, never on the match path.
 - ``pools()`` / ``cached_sizes()`` / ``iter_owned_slots()`` add the ``host`` pool.
@@ -56,9 +56,8 @@ def page_codec_layout(kv_pool: Any, name: str = "") -> str:
 
 @dataclass(slots=True)
 class TierCounters:
-    """Tokens each tier answered a match with, and what moved between them."""
+    """Tokens the host tier and the store answered matches with (past the device tree), and what moved."""
 
-    device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     store_hit_tokens: int = 0
     host_written_pages: int = 0
@@ -128,11 +127,9 @@ class TieredCacheMixin:
         whole = floor_align(len(rkey), ps)
         have = m.prefix_len
         if have >= whole:
-            self.tier_counters.device_hit_tokens += have
             return m
         keys = self.namespace.page_keys(rkey.token_ids[:whole], rkey.extra_key)[have // ps:]
         loaded = self._load(rkey, m, keys)
-        self.tier_counters.device_hit_tokens += have
         if not loaded:
             return m
         return super().match_prefix(key, *args, **kwargs)  # type: ignore[misc]
@@ -199,6 +196,12 @@ class TieredCacheMixin:
         if is_insert and not self._tiers_off:
             self._write_through(req)
         super().cache_finished_req(req, is_insert)  # type: ignore[misc]
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        # A prefill chunk's pages are computed too: a session turn that never finishes still shares them.
+        if not self._tiers_off:
+            self._write_through(req)
+        super().cache_unfinished_req(req, chunked)  # type: ignore[misc]
 
     def _write_through(self, req: Any) -> None:
         kv = req.kv
