@@ -19,7 +19,7 @@ from typing import Any
 from kvcore.bench.spec import Workload
 from kvcore.tiers import TieredCacheMixin
 
-__all__ = ["BenchTiers", "tier_options", "report_fields", "run_instances", "split_workload", "check_tier_options"]
+__all__ = ["BenchTiers", "tier_options", "report_fields", "run_instances", "run_share", "split_workload", "check_tier_options"]
 
 _STORE_KEYS = ("hits", "misses", "errors", "bytes_read", "bytes_written", "round_trips")
 
@@ -112,9 +112,9 @@ def split_workload(workload: Workload, instances: int) -> list[Workload]:
             for i, reqs in enumerate(shares)]
 
 
-def _instance(args: tuple) -> dict[str, Any]:
-    """One engine process: its share of the workload on its own cache, the store shared."""
-    index, instances, backend, workload_name, seed, num_requests, trace, step_ms, config = args
+def run_share(index: int, instances: int, backend: str, workload_name: str, seed: int, num_requests: int | None,
+              trace: str | None, step_ms: float, config: dict[str, Any]) -> dict[str, Any]:
+    """One engine: share ``index`` of ``instances`` of the workload on its own cache (the store is shared)."""
     from kvcore.bench.loop import BenchConfig, run_workload
     from kvcore.bench.report import make_report
     from kvcore.bench.workloads import make_workload
@@ -149,7 +149,7 @@ def run_instances(backend: str, instances: int, *, workload: str, seed: int, num
     t = time.perf_counter()
     # spawn: a forked child of a process that already ran torch threads can hang.
     with multiprocessing.get_context("spawn").Pool(instances) as pool:
-        reports = pool.map(_instance, jobs)
+        reports = pool.starmap(run_share, jobs)
     wall = time.perf_counter() - t
     cached = sum(r["cached_tokens"] for r in reports)
     isolated = sum(infinite_cache_hits(share, page) for share in split_workload(wl, instances))

@@ -14,9 +14,9 @@ Keys come from :class:`StoreNamespace` (model layout, dtype, page size,
 
 from kvcore.stores.base import KVStore, StoreStats
 from kvcore.stores.file import FileStore
-from kvcore.stores.memory import MemoryStore
 from kvcore.stores.framing import FRAME_OVERHEAD, frame, unframe
 from kvcore.stores.keys import StoreNamespace
+from kvcore.stores.memory import MemoryStore
 from kvcore.stores.registry import (
     StoreConfigError,
     StoreNotFound,

@@ -8,5 +8,5 @@ from kvcore.stores.memory import MemoryStore
 @hookimpl
 def kvcore_register_stores(register):
     register("memory", MemoryStore.from_url,
-             description="In-process store (memory://[name]?max_bytes=N&ttl=S), LRU-bounded; a name is shared in-process")
+             description="In-process store (memory://[name]?max_bytes=N&ttl=S), LRU-bounded; a name is shared")
     register("file", FileStore.from_url, description="One file per key under a directory (file:///dir?ttl=S)")

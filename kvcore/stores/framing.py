@@ -19,11 +19,11 @@ _HEADER = struct.Struct("<4sQI")
 FRAME_OVERHEAD = _HEADER.size
 
 
-def _checksum(key: str, payload: bytes | memoryview) -> int:
+def _checksum(key: str, payload: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(key.encode("utf-8")))
 
 
-def frame(key: str, payload: bytes | memoryview) -> bytes:
+def frame(key: str, payload: bytes | bytearray | memoryview) -> bytes:
     """``payload`` with the header that ``unframe`` checks."""
     return _HEADER.pack(_MAGIC, len(payload), _checksum(key, payload)) + bytes(payload)
 

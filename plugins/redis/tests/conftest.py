@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from kvcore_redis.servers import RedisClusterServers, RedisServer, redis_server_missing
 
 

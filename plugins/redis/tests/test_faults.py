@@ -9,11 +9,11 @@ what A computed; the invariant checker runs on both at the end of every test.
 from __future__ import annotations
 
 import torch
+from kvcore_redis.servers import RedisServer
 
 import kvcore
 from kvcore.testing import finish
 from kvcore.testing.stores import serve_with_kv
-from kvcore_redis.servers import RedisServer
 
 PAGE = 4
 KV = {"num_layers": 2, "num_heads": 2, "head_dim": 16, "dtype": "float16"}
