@@ -19,7 +19,10 @@ from typing import Any
 from kvcore.bench.spec import Workload
 from kvcore.tiers import TieredCacheMixin
 
-__all__ = ["BenchTiers", "tier_options", "report_fields", "run_instances", "run_share", "split_workload", "check_tier_options"]
+__all__ = [
+    "BenchTiers", "check_tier_options", "render_instances", "report_fields", "run_instances", "run_share",
+    "split_workload", "tier_options",
+]
 
 _STORE_KEYS = ("hits", "misses", "errors", "bytes_read", "bytes_written", "round_trips")
 

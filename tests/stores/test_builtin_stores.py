@@ -79,3 +79,35 @@ def test_registry_lists_builtin_schemes():
 def test_bad_urls_name_what_is_wrong(url, error, match):
     with pytest.raises(error, match=match):
         kvcore.open_store(url)
+
+
+def test_a_scheme_two_plugins_register_is_refused_naming_both():
+    import pluggy
+
+    from kvcore import hookimpl, hookspecs
+    from kvcore.stores.registry import _collect
+
+    class One:
+        @hookimpl
+        def kvcore_register_stores(self, register):
+            register("dup", lambda url: None, description="one")
+            register("only-one", lambda url: None)
+
+    class Two:
+        @hookimpl
+        def kvcore_register_stores(self, register):
+            register("dup", lambda url: None, description="two")
+
+    class Broken:
+        @hookimpl
+        def kvcore_register_stores(self, register):
+            register("Bad://", lambda url: None)
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for name, plugin in (("one", One()), ("two", Two()), ("broken", Broken())):
+        pm.register(plugin, name=name)
+    found = _collect(pm)
+    assert set(found.specs) == {"only-one"}
+    assert any("'dup' is registered by both" in f for f in found.failures)
+    assert any("broken" in f and "lower-case" in f for f in found.failures)

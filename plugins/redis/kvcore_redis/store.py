@@ -39,6 +39,8 @@ def _client_options(opts: RedisOptions) -> dict[str, Any]:
         "socket_connect_timeout": opts.timeout,
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
+        # Pages are large (tens to hundreds of KiB): fewer, larger reads.
+        "socket_read_size": 1 << 20,
     }
 
 
