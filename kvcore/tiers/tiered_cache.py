@@ -45,8 +45,9 @@ __all__ = ["TierCounters", "TieredCacheMixin", "page_codec_layout", "tiered"]
 
 # Store keys remembered as written when there is no host tier (so a page is not sent twice).
 _WRITTEN_MEMORY = 1 << 16
-# Pages queued for the store before cache_finished_req flushes by itself (bounds host memory).
-_MAX_PENDING = 4096
+# Bytes queued for the store before a write-through flushes by itself (bounds the queue's host memory
+# when the engine does not call flush() every step).
+_MAX_PENDING_BYTES = 64 << 20
 
 
 def page_codec_layout(kv_pool: Any, name: str = "") -> str:
@@ -231,7 +232,7 @@ class TieredCacheMixin:
                 self._pending_values.append(page.numpy().tobytes())
                 self._remember_written(k)
             c.store_queued_pages += len(todo_keys)
-            if len(self._pending_keys) >= _MAX_PENDING:
+            if len(self._pending_keys) * self.page_bytes >= _MAX_PENDING_BYTES:
                 self.flush()
 
     def _remember_written(self, key: str) -> None:
