@@ -35,6 +35,7 @@ from kvcore.release import (
     release_kv_cache,
 )
 from kvcore.session import SessionSlot, StreamingSession
+from kvcore.stores import KVStore, StoreNamespace, available_stores, open_store
 
 __version__ = _version("kvcore")
 
@@ -53,6 +54,7 @@ __all__ = [
     "InsertResult",
     "InvariantChecker",
     "InvariantViolation",
+    "KVStore",
     "KvBufferConfig",
     "KvcoreError",
     "LockResult",
@@ -68,17 +70,20 @@ __all__ = [
     "SWATokenToKVPoolAllocator",
     "SessionSlot",
     "SlotOwner",
+    "StoreNamespace",
     "StreamingSession",
     "TokenToKVPoolAllocator",
     "TreeCacheConfig",
     "available_backends",
     "available_eviction_policies",
+    "available_stores",
     "cache_unfinished_req",
     "create_cache",
     "free_swa_out_of_window_slots",
     "free_swa_out_of_window_slots_batch",
     "hookimpl",
     "hookspec",
+    "open_store",
     "plugin_failures",
     "release_kv_cache",
 ]

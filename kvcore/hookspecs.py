@@ -92,6 +92,20 @@ def kvcore_register_components(register: Callable[..., None]) -> None:
 
 
 @hookspec
+def kvcore_register_stores(register: Callable[..., None]) -> None:
+    """Register KV stores by URL scheme: ``register(scheme, factory, description="")``.
+
+    ``factory(url)`` receives a parsed :class:`kvcore.stores.StoreURL` and returns a
+    :class:`kvcore.stores.KVStore`; it raises ``ValueError`` (or
+    ``StoreConfigError``) for a malformed URL or option and must not fail because
+    the store is unreachable (that store answers misses).  ``kvcore.open_store(url)``
+    picks the factory by the URL's scheme; the core registers ``memory`` and
+    ``file``.  A scheme registered by two distributions is refused, naming both.
+    Every implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
 def kvcore_cache_created(cache: BasePrefixCache) -> None:
     """Called once for each cache ``create_cache`` builds, after it is built.
 

@@ -92,7 +92,7 @@ __all__ = [
 DISABLE_AUTOLOAD_ENV = "KVCORE_DISABLE_PLUGIN_AUTOLOAD"
 BLOCK_ENV = "KVCORE_BLOCK_PLUGINS"
 ENTRY_POINT_GROUP = "kvcore"
-_BUILTIN_MODULES = ("kvcore.builtin_backends", "kvcore.builtin_devices")
+_BUILTIN_MODULES = ("kvcore.builtin_backends", "kvcore.builtin_devices", "kvcore.stores.builtin")
 
 #: kvcore's own distributions and the entry point (group ``kvcore``) each ships; ``kvcore``
 #: itself registers its built-in modules directly.  Only these may hold a name against others.

@@ -34,6 +34,7 @@ def run_bench(backends: list[str], *, workload: str | Workload = "shared-prefix"
     """
     from kvcore.bench.loop import BenchConfig, run_workload
     from kvcore.bench.report import make_report
+    from kvcore.bench.tiers import report_fields
     from kvcore.bench.workloads import make_workload
 
     if isinstance(workload, str):
@@ -45,6 +46,7 @@ def run_bench(backends: list[str], *, workload: str | Workload = "shared-prefix"
         cfg = BenchConfig(backend=name, backend_options=dict((backend_options or {}).get(name, {})), **config)
         result = run_workload(cfg, wl, progress=progress(name) if progress else None)
         rep = make_report(cfg, wl, result)
+        rep.update(report_fields(result.tiers, result.cached_tokens))
         rep["_timeline"] = result.timeline
         reports.append(rep)
     return reports

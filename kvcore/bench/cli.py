@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from kvcore.bench.workloads import WORKLOADS
-from kvcore.commands.errors import EXIT_LEAK, running_backend, usage_phase
+from kvcore.commands.errors import EXIT_LEAK, UsageError, running_backend, usage_phase
 
 __all__ = ["bench"]
 
@@ -305,6 +305,17 @@ def bench(
             ),
         ),
     ] = None,
+    host_size: Annotated[
+        int, typer.Option("--host-size", help="Host-tier token slots under the device tree (radix, unified).")
+    ] = 0,
+    store: Annotated[
+        str | None,
+        typer.Option("--store", help="A KV store URL under the host tier (memory://, file:///dir, redis://host:port/0, "
+                     "redis+cluster://host:port,...); --instances clears kvcore's keys in it first."),
+    ] = None,
+    instances: Annotated[
+        int, typer.Option("--instances", help="Engine processes sharing --store, the workload split between them.")
+    ] = 1,
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
 
@@ -328,6 +339,7 @@ def bench(
         eviction_policy=eviction_policy, step_ms=step_ms, reference=reference, no_reference=no_reference,
         write_kv=write_kv, show_progress=show_progress, topk_locality=topk_locality,
         backend_opt=list(backend_opt or []),
+        host_size=host_size, store=store, instances=instances,
     )
     with usage_phase():
         try:
@@ -340,6 +352,30 @@ def bench(
         plan = plan_bench(opts)
     for note in plan.notes:
         typer.echo(f"kvcore bench: {note}", err=True)
+    with usage_phase():
+        from kvcore.bench.tiers import check_tier_options
+
+        check_tier_options(opts.host_size, opts.store, opts.instances, plan.config["page_size"])
+    if opts.instances > 1:
+        from kvcore.bench.tiers import render_instances, run_instances
+
+        if len(plan.names) > 1:
+            raise UsageError("--instances runs one backend: give --backend alone")
+        only = plan.names[0]
+        with running_backend(only):
+            rep = run_instances(only, opts.instances, workload=plan.workload.name, seed=opts.seed,
+                                num_requests=opts.num_requests, trace=opts.trace, step_ms=opts.step_ms,
+                                **plan.config)
+        if opts.as_json:
+            import json
+
+            typer.echo(json.dumps(rep, indent=2))
+        else:
+            typer.echo(render_instances(rep))
+        if rep["leaked_slots"] or rep["leaked_rows"] or rep["invariant_violations"]:
+            typer.echo(f"kvcore: {only} failed the leak check over {opts.instances} instances", err=True)
+            raise typer.Exit(EXIT_LEAK)
+        return
 
     progress = None
     bar: Any = contextlib.nullcontext()

@@ -84,6 +84,8 @@ class BenchConfig:
     transfer_steps: int = 4  # pd-decode: steps a KV transfer from the prefill server takes
     # More create_cache options (--backend-opt), validated by the backend's config model.
     backend_options: dict[str, Any] = field(default_factory=dict)
+    host_size: int = 0  # tiers (kvcore.bench.tiers): host-tier token slots
+    store: str | None = None  # tiers: a KV store URL
 
 
 def config_fields(backend: str) -> set[str]:
@@ -121,6 +123,9 @@ def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
         opts["eviction_policy"] = cfg.eviction_policy
     if cfg.pre_alloc_size:
         opts["pre_alloc_size"] = cfg.pre_alloc_size
+    from kvcore.bench.tiers import tier_options
+
+    opts.update(tier_options(cfg.backend, fields, cfg.host_size, cfg.store))
     if _write_kv(cfg):
         opts["kv_buffer"] = {"num_layers": cfg.kv_layers, "num_heads": cfg.kv_heads, "head_dim": cfg.kv_head_dim}
     opts.update(cfg.backend_options)
@@ -128,7 +133,9 @@ def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
 
 
 def _write_kv(cfg: BenchConfig) -> bool:
-    return cfg.write_kv if cfg.write_kv is not None else not str(cfg.device).startswith("cpu")
+    # Tiers move the K/V bytes of pages, so there must be real bytes to move.
+    tiers = bool(cfg.host_size or cfg.store)
+    return cfg.write_kv if cfg.write_kv is not None else tiers or not str(cfg.device).startswith("cpu")
 
 
 def build_cache(cfg: BenchConfig, workload: Workload):
@@ -207,6 +214,9 @@ class ServingLoop:
             self.result.window_size = self.window
         self.dev = torch.device(cache.token_to_kv_pool_allocator.device or "cpu")
         self.kv_writer = self._make_kv_writer(cache)
+        from kvcore.bench.tiers import BenchTiers
+
+        self.tiers = BenchTiers.attach(cache)
         self.engine = Engine(self.cache, kv_writer=self.kv_writer, release_idle_sessions=False,
                              on_evict=self.metrics.count_evict)
         # --workload pd-decode: requests arrive as KV transfers (kvcore.bench.lifecycle).
@@ -665,6 +675,8 @@ class ServingLoop:
             before = self.finished
             work = self._prefill()
             work += self._decode()
+            if self.tiers is not None:
+                self.tiers.after_step()  # store writes at the end of the step, never on the match path
             if sync:
                 synchronize(self.dev)
             step_us.append((pc() - t0) * 1e6)
@@ -709,6 +721,8 @@ class ServingLoop:
         result.leaked_slots = self.metrics.final_pools()
         result.leaked_rows = self.req_to_token_pool.num_rows - self.req_to_token_pool.available_size()
         result.backend_stats = dict(self.backend.stats())
+        if self.tiers is not None:
+            result.tiers = self.tiers.finish()
         self.running = []
         self.chunked = None
         self._check()

@@ -57,6 +57,8 @@ class RunResult:
     window_size: int | None = None
     # The backend's own counters (cache.stats()): copies made, tokens swapped in, ...
     backend_stats: dict = field(default_factory=dict)
+    # Host tier and store counters (kvcore.bench.tiers), when the backend runs with them.
+    tiers: dict = field(default_factory=dict)
     timeline: dict = field(default_factory=dict)
 
 

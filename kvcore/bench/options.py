@@ -52,6 +52,10 @@ class BenchOptions(BaseModel):
     retract_mode: str = "recompute"
     pre_alloc_size: int = Field(0, ge=0)
     transfer_steps: int = Field(4, ge=0)
+    # Tiers (kvcore.bench.tiers): host-tier slots, a KV store URL, engine processes sharing it.
+    host_size: int = Field(0, ge=0)
+    store: str | None = None
+    instances: int = Field(1, ge=1)
     page_size: int | None = Field(None, ge=1)
     max_num_reqs: int = Field(128, ge=1)
     chunk_size: int = Field(2048, ge=1)

@@ -87,8 +87,8 @@ def mrc(
 ) -> None:
     """Hit rate at every cache size: LRU by stack distances, Belady's offline optimum, the infinite ceiling."""
     from kvcore.bench.sizing import get_model
-    from kvcore.commands.errors import usage_phase
     from kvcore.bench.workloads import make_workload
+    from kvcore.commands.errors import usage_phase
     from kvcore.mrc.curve import compute_mrc
     from kvcore.mrc.simulate import simulate_points
 

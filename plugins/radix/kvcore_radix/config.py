@@ -6,14 +6,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvcore.config import TreeCacheConfig
+from kvcore.tiers import TieredCacheConfig
 
 __all__ = ["RadixConfig"]
 
 
-class RadixConfig(TreeCacheConfig):
+class RadixConfig(TieredCacheConfig):
     """Options of the ``radix`` backend: the common pool options plus
-    ``eviction_policy``, ``enable_kv_events``, ``disable`` and ``key_validation``."""
+    ``eviction_policy``, ``enable_kv_events``, ``disable``, ``key_validation`` and the tiers
+    (``host_size``, ``store``, ``store_layout``)."""
 
     key_validation: Literal["full", "stored"] = Field(
         "full",

@@ -4,6 +4,7 @@ Its eviction policies are the core's (``kvcore.tree.policies``), registered by k
 """
 
 from kvcore import hookimpl
+from kvcore.tiers import tiered
 from kvcore_radix.config import RadixConfig
 from kvcore_radix.radix_cache import RadixCache
 
@@ -12,7 +13,7 @@ from kvcore_radix.radix_cache import RadixCache
 def kvcore_register_backends(register):
     register(
         "radix",
-        RadixCache,
+        tiered(RadixCache),
         config=RadixConfig,
         description="Radix-tree prefix cache with page-aligned reuse, locks and pluggable eviction (SGLang RadixCache)",
     )

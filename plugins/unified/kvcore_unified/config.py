@@ -7,14 +7,14 @@ from typing import Any
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kvcore.components import TreeComponent, get_component
-from kvcore.config import TreeCacheConfig
 from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools import ReqToTokenPool, TokenAllocator
+from kvcore.tiers import TieredCacheConfig
 
 __all__ = ["UnifiedConfig", "UnifiedMambaConfig", "UnifiedPools", "UnifiedSWAConfig"]
 
 
-class UnifiedConfig(TreeCacheConfig):
+class UnifiedConfig(TieredCacheConfig):
     """Options of ``unified``: ``components`` (``full`` first), the tree's options and each component's.
 
     A component's options (``sliding_window_size`` and ``swa_size`` for ``swa``, ...) are

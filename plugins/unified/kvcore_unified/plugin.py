@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from kvcore import hookimpl
+from kvcore.tiers import tiered
 from kvcore_unified.components import FullComponent, SWAComponent, SWAOptions
 from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedPools, UnifiedSWAConfig
 from kvcore_unified.mamba import MambaComponent, MambaOptions
 from kvcore_unified.tree import UnifiedRadixCache
 
 
+def _full_only(params):
+    # The host tier and the store hold full-attention pages; window and state components have no such page.
+    if tuple(params.config.components) != ("full",):
+        raise ValueError(f"host_size and store need components=('full',), got {tuple(params.config.components)!r}")
+
+
 @hookimpl
 def kvcore_register_backends(register):
     register(
         "unified",
-        UnifiedRadixCache,
+        tiered(UnifiedRadixCache, check=_full_only),
         config=UnifiedConfig,
         pools=UnifiedPools(),
         description=(
@@ -23,7 +30,7 @@ def kvcore_register_backends(register):
     )
     register(
         "unified-swa",
-        UnifiedRadixCache,
+        tiered(UnifiedRadixCache, check=_full_only),
         config=UnifiedSWAConfig,
         pools=UnifiedPools(),
         description="unified with components (full, swa) by default (its window options declared for the bench)",
@@ -31,7 +38,7 @@ def kvcore_register_backends(register):
     )
     register(
         "unified-mamba",
-        UnifiedRadixCache,
+        tiered(UnifiedRadixCache, check=_full_only),
         config=UnifiedMambaConfig,
         pools=UnifiedPools(),
         description="unified with components (full, mamba) by default",

@@ -1,0 +1,113 @@
+"""The built-in stores (memory://, file:///dir) pass the store kit; the registry's errors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import kvcore
+from kvcore.stores import FileStore, StoreConfigError, StoreNotFound
+from kvcore.testing.stores import StoreConformance
+
+
+class TestMemoryStore(StoreConformance):
+    store_url = "memory://"
+
+
+class TestNamedMemoryStore(StoreConformance):
+    store_url = "memory://kit-shared"
+
+
+class TestFileStore(StoreConformance):
+    can_go_away = True
+
+    @pytest.fixture
+    def store_url(self, tmp_path: Path) -> str:
+        return f"file://{tmp_path / 'store'}"
+
+    def corrupt(self, store, key, data):
+        assert isinstance(store, FileStore)
+        p = store.path_of(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+
+    def break_store(self, store):
+        # A regular file where the directory was: every read and write fails (not merely misses).
+        shutil.rmtree(store.root)
+        store.root.write_bytes(b"not a directory")
+
+    def restore_store(self, store):
+        store.root.unlink()
+
+
+def test_memory_store_is_bounded_by_max_bytes():
+    s = kvcore.open_store("memory://?max_bytes=3000")
+    keys = [f"k{i}" for i in range(5)]
+    assert s.batch_set(keys, [b"x" * 1000] * 5) == [True] * 5
+    got = s.batch_get(keys)
+    assert got[:3] == [None, None, None] and got[3:] == [b"x" * 1000] * 2
+    assert s.batch_set(["big"], [b"y" * 4000]) == [False]
+
+
+def test_named_memory_stores_share_values():
+    a, b = kvcore.open_store("memory://shared-by-name"), kvcore.open_store("memory://shared-by-name")
+    a.batch_set(["k"], [b"v"])
+    assert b.batch_get(["k"]) == [b"v"]
+    assert kvcore.open_store("memory://").batch_get(["k"]) == [None]
+
+
+def test_registry_lists_builtin_schemes():
+    stores = kvcore.available_stores()
+    assert {"memory", "file"} <= set(stores)
+    assert stores["memory"].distribution == "kvcore"
+
+
+@pytest.mark.parametrize(
+    ("url", "error", "match"),
+    [
+        ("nowhere", StoreConfigError, "no scheme"),
+        ("gopher://x", StoreNotFound, "known: .*memory://"),
+        ("memory://?max_bytes=-1", StoreConfigError, "max_bytes"),
+        ("memory://?colour=red", StoreConfigError, "unknown option 'colour'"),
+        ("memory://?ttl=1&ttl=2", StoreConfigError, "twice"),
+        ("file://", StoreConfigError, "needs a directory"),
+        ("file://host/dir", StoreConfigError, "local"),
+    ],
+)
+def test_bad_urls_name_what_is_wrong(url, error, match):
+    with pytest.raises(error, match=match):
+        kvcore.open_store(url)
+
+
+def test_a_scheme_two_plugins_register_is_refused_naming_both():
+    import pluggy
+
+    from kvcore import hookimpl, hookspecs
+    from kvcore.stores.registry import _collect
+
+    class One:
+        @hookimpl
+        def kvcore_register_stores(self, register):
+            register("dup", lambda url: None, description="one")
+            register("only-one", lambda url: None)
+
+    class Two:
+        @hookimpl
+        def kvcore_register_stores(self, register):
+            register("dup", lambda url: None, description="two")
+
+    class Broken:
+        @hookimpl
+        def kvcore_register_stores(self, register):
+            register("Bad://", lambda url: None)
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for name, plugin in (("one", One()), ("two", Two()), ("broken", Broken())):
+        pm.register(plugin, name=name)
+    found = _collect(pm)
+    assert set(found.specs) == {"only-one"}
+    assert any("'dup' is registered by both" in f for f in found.failures)
+    assert any("broken" in f and "lower-case" in f for f in found.failures)
