@@ -62,9 +62,9 @@ def test_split_keeps_sessions_together():
     ("args", "match"),
     [
         (["--store", "gopher://x"], "no store for scheme"),
-        (["--host-size", "10"], "multiple of --page-size"),
+        (["--host-size", "10"], "host_size=10 is not a multiple of page_size"),
         (["--instances", "2", "--store", "memory://"], "private to one"),
-        (["--instances", "0"], "at least 1"),
+        (["--instances", "0"], "--instances: Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_tier_options_are_one_line_errors(args, match):
