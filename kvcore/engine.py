@@ -157,6 +157,8 @@ from kvcore.session import StreamingSession
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache, EvictResult, LockResult, MatchResult
+    from kvcore.pools.req_to_token import ReqToTokenPool
+    from kvcore.pools.views import TokenAllocator
 
 __all__ = ["Engine", "Match"]
 
@@ -252,11 +254,11 @@ class Engine:
         return self._page
 
     @property
-    def req_to_token_pool(self):
+    def req_to_token_pool(self) -> ReqToTokenPool:
         return self._r2t
 
     @property
-    def allocator(self):
+    def allocator(self) -> TokenAllocator:
         return self._alloc
 
     @property
@@ -448,7 +450,9 @@ class Engine:
     def _check_prompt(req: Req) -> None:
         """Every token id checked once, at admission, before a row, a slot, a state or a session moves."""
         if not req.origin_input_ids:
-            raise ValueError(f"request {req.rid!r} has an empty prompt: there is nothing to compute (nothing was taken)")
+            raise ValueError(
+                f"request {req.rid!r} has an empty prompt: there is nothing to compute (nothing was taken)"
+            )
         check_token_ids(req.origin_input_ids)
         if req.output_ids:
             check_token_ids(req.output_ids)

@@ -17,7 +17,7 @@ RuntimeError: finish or abort that request first (``Engine.abort`` does both).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from kvcore.release import cache_unfinished_req as _dispatch_unfinished
 from kvcore.release import release_kv_cache
 
 if TYPE_CHECKING:
-    from kvcore.pools.views import PoolView
+    from kvcore.keys import KeyLike
     from kvcore.record import Req
 
 __all__ = ["SessionSlot", "StreamingSession", "SessionNode"]
@@ -137,7 +137,7 @@ class StreamingSession(ForwardingCache):
         slot = self.slots.get(req.session_id)
         return slot if slot is not None and slot.kv.is_held else None
 
-    def try_match_prefix(self, key, req: Req) -> MatchResult | None:
+    def try_match_prefix(self, key: KeyLike, req: Req) -> MatchResult | None:
         """Reuse the session's KV for ``req``, or None when the session holds none.
 
         Reuse reaches as far as the new turn's tokens agree with the tokens the
@@ -276,7 +276,7 @@ class StreamingSession(ForwardingCache):
         result = self.try_match_prefix(key, req) if req is not None else None
         return result if result is not None else self.inner.match_prefix(key, **kwargs)
 
-    def match_request(self, req: Req, key) -> MatchResult:
+    def match_request(self, req: Req, key: KeyLike) -> MatchResult:
         result = self.try_match_prefix(key, req) if req.session_id is not None else None
         return result if result is not None else self.inner.match_request(req, key)
 

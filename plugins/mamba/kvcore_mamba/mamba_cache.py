@@ -32,7 +32,6 @@ tombstone*).  What follows SGLang exactly, because the differential test checks 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -43,7 +42,6 @@ from kvcore.keys import KeyLike, RadixKey
 from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaReqState, MambaRequestStates, mamba_state_of
 from kvcore.pools.views import PoolView
 from kvcore.tree import (
-    proven_prefix_len,
     AllPagesCleared,
     LRUList,
     Node,
@@ -54,6 +52,7 @@ from kvcore.tree import (
     lock_path,
     path_to_root,
     prefix_match_len,
+    proven_prefix_len,
     record_removed,
     record_stored,
     split_node,
@@ -893,5 +892,6 @@ class MambaRadixCache(BasePrefixCache):
             node, indent = stack.pop()
             lines.append(" " * indent + " " + repr(node))
             stack.extend((c, indent + 2) for c in node.children.values())
-        lines.append(f"#full tokens: {self.total_size()}, #states: {self.mamba_evictable_size_ + self.mamba_protected_size_}")
+        states = self.mamba_evictable_size_ + self.mamba_protected_size_
+        lines.append(f"#full tokens: {self.total_size()}, #states: {states}")
         return "\n".join(lines)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,6 +40,9 @@ from kvcore.tree import (
 )
 from kvcore_radix.config import RadixConfig
 
+if TYPE_CHECKING:
+    from kvcore.record import Req
+
 __all__ = ["RadixCache", "RadixConfig", "TreeNode"]
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
@@ -58,7 +61,8 @@ class TreeNode(Node):
 
     split_copy = ("lock_ref", "last_access_time", "hit_count", "priority")
 
-    def __init__(self, key, value, parent, ck, now, priority=0, extra_key=None):
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None, ck: Hashable,
+                 now: float, priority: int = 0, extra_key: str | None = None) -> None:
         self.children: dict = {}
         self.parent = parent
         self.key = key
@@ -251,7 +255,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
         access time, hit count and priority.
         """
         self._last_walk = None
-        return split_node(child, m, TreeNode(None, None, None, None, now), self.page_size)
+        return split_node(child, m, TreeNode([], None, None, None, now), self.page_size)
 
     def insert(self, key: KeyLike, value: torch.Tensor | None = None, *, priority: int = 0,
                chunked: bool = False) -> InsertResult:
@@ -436,7 +440,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
     def check_node_locked(self, node: Any, what: str) -> None:
         check_locked(self._path(node, what), node, what)
 
-    def cache_finished_req(self, req, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         self.check_req(req, "cache_finished_req")
         kv = req.kv
         committed = kv.kv_committed_len
@@ -458,7 +462,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
         self.release_req_lock(req)
 
-    def cache_unfinished_req(self, req, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         if self.disable:
             return
         self.check_req(req, "cache_unfinished_req")

@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
-from kvcore.keys import RadixKey, checked_key
+from kvcore.keys import KeyLike, RadixKey, checked_key
 from kvcore.record import floor_align
 from kvcore.tree import (
-    proven_prefix_len,
     KVEventLog,
     LRUList,
     Node,
@@ -48,6 +47,7 @@ from kvcore.tree import (
     next_node_id,
     path_to_root,
     path_values,
+    proven_prefix_len,
     record_removed,
     record_stored,
     request_ids,
@@ -227,7 +227,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ keys
 
-    def _prepare_key(self, key) -> tuple[list[int], Any, int]:
+    def _prepare_key(self, key: KeyLike) -> tuple[list[int], str | None, int]:
         rk = checked_key(key)
         ids = rk.token_ids
         return ids, rk.extra_key, floor_align(len(ids), self.page_size)
@@ -237,7 +237,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key: KeyLike) -> MatchResult:
         """The longest cached prefix usable for sliding-window attention.
 
         The result stops at the last point whose path either has no tombstone or
@@ -299,7 +299,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     def insert(
         self,
-        key,
+        key: KeyLike,
         value: torch.Tensor | None = None,
         prev_prefix_len: int = 0,
         swa_evicted_seqlen: int = 0,
@@ -343,7 +343,10 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             value = value[:n]
         if self.strict:
             # prev_prefix_len never narrows the check: only the tree's own slots skip it.
-            lo = proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len) if prev_prefix_len else 0
+            lo = (
+                proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len)
+                if prev_prefix_len else 0
+            )
             self._check_slots(value, lo, n)
         if swa_evicted_seqlen > prev_prefix_len:
             # The caller says these window slots are gone; make sure they are.
@@ -366,7 +369,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
     def _insert(
         self,
         ids: list[int],
-        extra_key,
+        extra_key: str | None,
         n: int,
         value: torch.Tensor,
         prev: int,
@@ -467,7 +470,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         self.swa_evictable_size_ += len(node.key)
 
     def _add_node(
-        self, parent: SWATreeNode, key: list[int], extra_key, value: torch.Tensor, tombstone: bool
+        self, parent: SWATreeNode, key: list[int], extra_key: str | None, value: torch.Tensor, tombstone: bool
     ) -> SWATreeNode:
         """A new child of ``parent``; ``value`` is the tree's own copy, already claimed under ``strict``."""
         node = SWATreeNode()

@@ -18,7 +18,7 @@ core's (:mod:`kvcore.pools.mamba_pool`), shared with the ``mamba`` backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -131,7 +131,7 @@ class MambaComponent(LRUValueComponent):
             self.lru.add_mru(child)
 
     # -- match -------------------------------------------------------------------------
-    def validator(self):
+    def validator(self) -> Callable[[Any], bool]:
         return self.has_value
 
     def after_match(self, node: Any) -> None:
@@ -149,11 +149,12 @@ class MambaComponent(LRUValueComponent):
             if req is None:
                 raise ValueError("match_prefix(cow_mamba=True) needs the request (req=...)")
             comp = mamba_state_of(req.kv, create=True)
-            if comp is not None and comp.holds_mamba:
+            held = comp.mamba_pool_idx if comp is not None else None
+            if held is not None:
                 # Its running state would be overwritten by the copy (as the mamba backend refuses).
                 raise ValueError(
                     f"match_prefix(cow_mamba=True): request {req.rid!r} already holds state slot "
-                    f"{int(comp.mamba_pool_idx)}; free it first (nothing was changed)")
+                    f"{int(held)}; free it first (nothing was changed)")
         best = result.last_device_node
         if comp is not None:
             comp.mamba_branching_seqlen = branching

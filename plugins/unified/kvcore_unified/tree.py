@@ -30,7 +30,6 @@ from kvcore.keys import RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
-    proven_prefix_len,
     KVEventLog,
     Node,
     alloc_value,
@@ -44,6 +43,7 @@ from kvcore.tree import (
     join_values,
     path_to_root,
     path_values,
+    proven_prefix_len,
     record_removed,
     record_stored,
     request_ids,
