@@ -271,7 +271,7 @@ class StreamingSession(ForwardingCache):
                 yield s
 
     # -- BasePrefixCache ---------------------------------------------------
-    def match_prefix(self, key: Any, req: Req | None = None, **kwargs: Any) -> MatchResult:
+    def match_prefix(self, key: KeyLike, req: Req | None = None, **kwargs: Any) -> MatchResult:
         """The session's KV for ``req``'s turn when it holds some, else the backend's match of ``key``."""
         result = self.try_match_prefix(key, req) if req is not None else None
         return result if result is not None else self.inner.match_prefix(key, **kwargs)

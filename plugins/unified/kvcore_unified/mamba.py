@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from kvcore.cache import LockResult, SlotOwner
+from kvcore.cache import LockResult, MatchResult, SlotOwner
 from kvcore.pools.mamba_pool import (
     HybridReqToTokenPool,
     MambaPool,
@@ -36,6 +36,7 @@ from kvcore.pools.views import PoolView
 from kvcore_unified.components import LRUValueComponent
 
 if TYPE_CHECKING:
+    from kvcore.record import Req
     from kvcore_unified.tree import InsertArgs, UnifiedRadixCache
 
 __all__ = ["MambaComponent", "MambaOptions"]
@@ -138,7 +139,7 @@ class MambaComponent(LRUValueComponent):
         if node.mamba_value is not None:
             self.lru.touch(node)
 
-    def finish_match(self, result: Any, cow: bool, req: Any) -> Any:
+    def finish_match(self, result: MatchResult, cow: bool, req: Req | None) -> MatchResult:
         extras = dict(result.extras or {})
         aligned = extras.get("matched_len", 0) // self.grid * self.grid
         branching = aligned if aligned > result.device_indices.numel() else None
@@ -174,7 +175,7 @@ class MambaComponent(LRUValueComponent):
                 comp.mamba_needs_clear = False
         return result
 
-    def on_match_request(self, req: Any, result: Any) -> None:
+    def on_match_request(self, req: Req, result: Any) -> None:
         comp = mamba_state_of(req.kv, create=True)
         assert comp is not None
         if not comp.holds_mamba:
@@ -186,10 +187,10 @@ class MambaComponent(LRUValueComponent):
     def request_state_slots(self, kv: Any) -> int:
         return self.states.slots_held(kv)
 
-    def backup_request_state(self, req: Any) -> Any:
+    def backup_request_state(self, req: Req) -> Any:
         return self.states.backup(req)
 
-    def restore_request_state(self, req: Any, state: Any) -> None:
+    def restore_request_state(self, req: Req, state: Any) -> None:
         self.states.restore(req, state)
 
     def stats(self) -> dict[str, int]:
@@ -233,7 +234,7 @@ class MambaComponent(LRUValueComponent):
             self.mamba_pool.free(value)
 
     # -- requests ----------------------------------------------------------------------
-    def prepare_insert(self, req: Any, ins: InsertArgs, finished: bool) -> int | None:
+    def prepare_insert(self, req: Req, ins: InsertArgs, finished: bool) -> int | None:
         comp = mamba_state_of(req.kv)
         if self.states.extra_buffer:
             return self._prepare_tracked(req, comp, ins, finished)
@@ -251,7 +252,7 @@ class MambaComponent(LRUValueComponent):
         ins.mamba_value = donated
         return None
 
-    def _prepare_tracked(self, req: Any, comp: Any, ins: InsertArgs, finished: bool) -> int:
+    def _prepare_tracked(self, req: Req, comp: Any, ins: InsertArgs, finished: bool) -> int:
         """Extra-buffer mode (SGLang's ``prepare_for_caching_req``): cache up to the last tracked snapshot."""
         if comp is None or comp.mamba_ping_pong_track_buffer is None:
             raise ValueError(
@@ -269,7 +270,7 @@ class MambaComponent(LRUValueComponent):
         ins.mamba_value = donated
         return cache_len
 
-    def after_cache_req(self, req: Any, finished: bool, ins: Any, result: Any) -> None:
+    def after_cache_req(self, req: Req, finished: bool, ins: Any, result: Any) -> None:
         comp = mamba_state_of(req.kv)
         extra = self.states.extra_buffer
         if finished:

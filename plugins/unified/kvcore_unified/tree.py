@@ -26,7 +26,7 @@ import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.components import TreeComponent, get_component
-from kvcore.keys import RadixKey, as_radix_key, check_token_ids
+from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
@@ -261,7 +261,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, key: Any, cow_mamba: bool = False, req: Any = None) -> MatchResult:
+    def match_prefix(self, key: KeyLike, cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
         """The longest cached prefix every component accepts (SGLang's ``match_prefix``)."""
         rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
         ids = rk.token_ids
@@ -357,12 +357,12 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             return 0
         return pos + m
 
-    def _finish_match(self, result: MatchResult, cow_mamba: bool, req: Any) -> MatchResult:
+    def _finish_match(self, result: MatchResult, cow_mamba: bool, req: Req | None) -> MatchResult:
         for c in self.aux:
             result = c.finish_match(result, cow_mamba, req)
         return result
 
-    def match_request(self, req: Req, key: Any) -> MatchResult:
+    def match_request(self, req: Req, key: KeyLike) -> MatchResult:
         """The engine's admission match: a plain match; components note what the request takes (Mamba's copy)."""
         result = self.match_prefix(key)
         for c in self.aux:
@@ -371,7 +371,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, key: Any, value: torch.Tensor | None = None, prev_prefix_len: int = 0,
+    def insert(self, key: KeyLike, value: torch.Tensor | None = None, prev_prefix_len: int = 0,
                swa_evicted_seqlen: int = 0, *, mamba_value: torch.Tensor | None = None, chunked: bool = False,
                priority: int = 0) -> InsertResult:
         """Cache ``value`` (full slots) under ``key``; returns the length that was cached already.
