@@ -63,7 +63,7 @@ class SessionSlot:
     token_ids: list[int] = field(default_factory=list)
     extra_key: str | None = None
     # The request running on the record now (restored, not yet finished), if any.
-    turn: Any = None
+    turn: Req | None = None
 
     def __post_init__(self) -> None:
         if self.node is None:
@@ -97,7 +97,7 @@ class SessionSlot:
         req.lock = None
         self.turn = req
 
-    def running_turn(self) -> Any:
+    def running_turn(self) -> Req | None:
         """The request running on this slot's record now (restored and not finished, aborted or cancelled)."""
         turn = self.turn
         if turn is not None and turn.kv is not self.kv:
