@@ -61,7 +61,7 @@ from kvcore.tree import (
 from kvcore_mamba.config import MambaConfig
 
 if TYPE_CHECKING:
-    from kvcore.record import Req
+    from kvcore.record import Req, ReqKvInfo
 
 __all__ = ["MambaRadixCache", "MambaTreeNode"]
 
@@ -245,7 +245,7 @@ class MambaRadixCache(BasePrefixCache):
                 PoolView("mamba", self.mamba_allocator, record_slots=self._record_states)]
 
     @staticmethod
-    def _record_states(kv: Any) -> tuple[torch.Tensor, int]:
+    def _record_states(kv: ReqKvInfo) -> tuple[torch.Tensor, int]:
         comp = mamba_state_of(kv)
         if comp is None:
             return _EMPTY, 0
@@ -590,7 +590,7 @@ class MambaRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ locks
 
-    def _path(self, node: Any, what: str) -> list:
+    def _path(self, node: Any, what: str) -> list[MambaTreeNode]:
         if not isinstance(node, MambaTreeNode):
             raise TypeError(f"{what}: expected a MambaTreeNode, got {type(node).__name__}")
         return path_to_root(node, self.root_node, what)
@@ -883,7 +883,7 @@ class MambaRadixCache(BasePrefixCache):
         """Write a ``backup_request_state`` copy into the state slot the request holds now."""
         self.states.restore(req, state)
 
-    def request_state_slots(self, kv: Any) -> int:
+    def request_state_slots(self, kv: ReqKvInfo) -> int:
         """State slots the record holds: its own and its ping-pong tracking slots."""
         return self.states.slots_held(kv)
 
