@@ -1,10 +1,13 @@
-"""Free + alloc of one batch of slots, at several pool sizes.
+"""Free + alloc of one batch of slots, at several pool sizes; and kvcore's batch calls.
 
 Compares kvcore's ring-buffer allocator with SGLang's (when importable) or else
 with a naive free list that, like SGLang, concatenates the whole free list on
-every free and slices it on every alloc.
+every free and slices it on every alloc.  ``--batch-calls`` also times kvcore's
+``alloc_extend`` + ``free``, ``alloc_decode`` + ``free`` of the new pages, and an
+ownership ``check_claimable(commit=True)`` + ``disown``, for 1, 8 and 64 requests
+(no other implementation: these compare kvcore with itself across a change).
 
-    python benchmarks/bench_allocator.py [--device cpu] [--batch 256] [--json]
+    python benchmarks/bench_allocator.py [--device cpu] [--batch 256] [--batch-calls] [--json]
 """
 
 from __future__ import annotations
@@ -93,6 +96,69 @@ def time_free_alloc(alloc: Any, batch: int, iters: int, device: str, repeat: int
     return best
 
 
+def time_call(fn: Callable[[], None], iters: int, device: str, repeat: int,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Microseconds per ``fn()``, best of ``repeat`` rounds of ``iters`` calls."""
+    for _ in range(10):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = clock()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        best = min(best, (clock() - t0) / iters * 1e6)
+    return best
+
+
+def batch_calls(reqs: int, device: str) -> dict[str, Callable[[], None]]:
+    """kvcore's alloc_extend, alloc_decode and ownership claims for ``reqs`` requests (page 16, 64k slots)."""
+    p = 16
+    a = TokenToKVPoolAllocator(1 << 16, p, device)
+    held = a.alloc(reqs * 2 * p)
+    assert held is not None
+    # Each request holds two pages: a prefix of p + 5 tokens ends at offset 4 of its second page.
+    pre = [p + 5] * reqs
+    seq = [p + 5 + 40] * reqs
+    last = torch.tensor([int(held[i * 2 * p + p + 4]) for i in range(reqs)], device=device)
+    ext = sum(seq) - sum(pre)
+    # Tokens 21..31 fill the prefix's page; 32..47 and 48..60 take two new pages.
+    new_pages = torch.tensor([i * 40 + k for i in range(reqs) for k in (11, 27)], device=device)
+
+    def extend() -> None:
+        out = a.alloc_extend(pre, pre, seq, seq, last, ext)
+        assert out is not None
+        a.free(out[new_pages])  # one slot of each new page gives the page back
+
+    # Decode: every other request opens a page (its position is page-aligned), the rest continue.
+    dseq = [2 * p + 1 if i % 2 else p + 6 for i in range(reqs)]
+    dlast = torch.tensor([int(held[i * 2 * p + (2 * p - 1 if i % 2 else p + 4)]) for i in range(reqs)],
+                         device=device)
+    opens = torch.tensor([i for i in range(reqs) if i % 2], dtype=torch.int64, device=device)
+
+    def decode() -> None:
+        out = a.alloc_decode(dseq, dseq, dlast)
+        assert out is not None
+        if opens.numel():
+            a.free(out[opens])
+
+    def claim() -> None:
+        a.check_claimable(held, commit=True)
+        a.disown(held)
+
+    return {"extend+free": extend, "decode+free": decode, "claim+disown": claim}
+
+
+def batch_call_rows(device: str, iters: int, repeat: int, clock: Callable[[], float]) -> list[dict[str, Any]]:
+    rows = []
+    for reqs in (1, 8, 64):
+        for name, fn in batch_calls(reqs, device).items():
+            us = time_call(fn, iters, device, repeat, clock)
+            rows.append({"op": name, "requests": reqs, "kvcore_us": round(us, 2)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -104,6 +170,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
                     help="cpu: this process's CPU time (steadier on a shared machine); wall: elapsed time; "
                          "auto (default): cpu on the cpu device, wall elsewhere")
+    ap.add_argument("--batch-calls", action="store_true", help="also time alloc_extend, alloc_decode and claims")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -124,10 +191,11 @@ def main() -> None:
                                      clock)
                 row[f"{name}_us"] = round(us, 2)
             rows.append(row)
+    calls = batch_call_rows(args.device, args.iters, args.repeat, clock) if args.batch_calls else []
 
     if args.json:
         print(json.dumps({"device": args.device, "torch": torch.__version__, "clock": "cpu" if use_cpu else "wall",
-                          "rows": rows}, indent=2))
+                          "rows": rows, "batch_calls": calls}, indent=2))
         return
     names = list(impls)
     print(f"free+alloc of {args.batch}-slot batches, us per batch (device {args.device}, torch {torch.__version__}, "
@@ -135,6 +203,8 @@ def main() -> None:
     print(f"{'page':>5} {'pool slots':>11} " + " ".join(f"{n + ' us':>13}" for n in names))
     for r in rows:
         print(f"{r['page_size']:>5} {r['pool_slots']:>11} " + " ".join(f"{r[n + '_us']:>13.2f}" for n in names))
+    for c in calls:
+        print(f"{c['op']:>13} {c['requests']:>3} requests {c['kvcore_us']:>10.2f} us (kvcore, page 16)")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def _keys(trace, mode: str, extra_copy: bool):
 
 
 def ours_insert(trace, ps: int, window: int, key_mode: str, strict: bool, spare: int = 0):
-    from kvcore.config import CacheInitParams
+    from kvcore.factory import build_pools
     from kvcore.keys import RadixKey
     from kvcore_swa import SWAConfig, SWARadixCache
 
@@ -83,7 +83,7 @@ def ours_insert(trace, ps: int, window: int, key_mode: str, strict: bool, spare:
     size = (len(trace) + 1) * need + _pages(spare, ps) * ps
     config = SWAConfig(size=size, swa_size=size, sliding_window_size=window, page_size=ps, max_num_reqs=1,
                        max_context_len=need, strict=strict)
-    cache = SWARadixCache(CacheInitParams.from_config(config))
+    cache = SWARadixCache(build_pools("swa", config))
     alloc = cache.token_to_kv_pool_allocator.alloc
     slots = [alloc(need)[: len(ids)] for ids in trace]
     mkeys, ikeys = _keys(trace, key_mode, True)

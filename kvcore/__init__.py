@@ -14,6 +14,7 @@ from kvcore.config import CacheConfig, CacheInitParams, KvBufferConfig, TreeCach
 from kvcore.engine import Engine
 from kvcore.errors import BackendNotFound, DeviceUnavailable, InvariantViolation, KvcoreError, PluginError
 from kvcore.factory import ConfigError, create_cache
+from kvcore.forwarding import ForwardingCache
 from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.invariants import InvariantChecker
 from kvcore.keys import RadixKey
@@ -33,7 +34,6 @@ from kvcore.release import (
     free_swa_out_of_window_slots_batch,
     release_kv_cache,
 )
-from kvcore.forwarding import ForwardingCache
 from kvcore.session import SessionSlot, StreamingSession
 
 __version__ = _version("kvcore")

@@ -84,7 +84,6 @@ The other hooks (``touch``, ``after_match``, ``after_insert``, ``finish_match``,
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -92,14 +91,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel
 
 from kvcore.errors import PluginError
+from kvcore.plugins import Kind, Origin, PluginFailure, first_doc_line
 
 if TYPE_CHECKING:
     from kvcore.cache import LockResult, SlotOwner
+    from kvcore.pool_builder import Placement
 
 __all__ = [
+    "COMPONENTS",
     "ComponentSpec",
     "TreeComponent",
     "available_components",
+    "component_failures",
     "get_component",
     "reset_components",
 ]
@@ -121,19 +124,19 @@ class TreeComponent:
     #: True for the sliding-window component: ``dec_swa_lock_only`` releases its lock early.
     window_lock: ClassVar[bool] = False
 
-    # -- options and pools (called on the class, while the cache's config is validated and built) --
+    # -- options and pools (called on the class: while the config is validated; when its pools are built) --
     @staticmethod
     def check_options(config: Any, opts: Any) -> None:
         """Cross-check the component's validated options against the cache's (``size``, ``page_size``, ...)."""
 
     @staticmethod
-    def build_allocator(config: Any, opts: Any) -> Any:
-        """The token allocator the cache needs for this component, or None (the default one)."""
+    def build_allocator(config: Any, opts: Any, at: Placement) -> Any:
+        """The token allocator the cache needs for this component on placement ``at``, or None (the default one)."""
         return None
 
     @staticmethod
-    def build_req_to_token_pool(config: Any, opts: Any) -> Any:
-        """The request table the cache needs for this component, or None (the default one)."""
+    def build_req_to_token_pool(config: Any, opts: Any, at: Placement) -> Any:
+        """The request table the cache needs for this component on placement ``at``, or None (the default one)."""
         return None
 
     def __init__(self, cache: Any, options: BaseModel | None) -> None:
@@ -269,82 +272,47 @@ class ComponentSpec:
     plugin: str
 
 
-_lock = threading.Lock()
-_cache: tuple[Any, dict[str, ComponentSpec], list[str]] | None = None
+def _make_component(
+    origin: Origin,
+    name: str,
+    factory: Callable[..., TreeComponent],
+    *,
+    options: type[BaseModel] | None = None,
+    description: str = "",
+) -> ComponentSpec:
+    """One ``register(name, factory, ...)`` call of ``kvcore_register_components``, checked."""
+    if not name.isidentifier():
+        raise PluginError(f"component name must be an identifier, got {name!r}")
+    if not callable(factory):
+        raise PluginError(f"component {name!r}: factory {factory!r} is not callable")
+    if options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
+        raise PluginError(f"component {name!r}: options must be a pydantic model, got {options!r}")
+    return ComponentSpec(name, factory, options, description or first_doc_line(factory), origin.distribution,
+                         origin.plugin)
 
 
-def _collect(pm: Any) -> tuple[dict[str, ComponentSpec], list[str]]:
-    from kvcore.plugins import _first_party  # noqa: PLC0415
-
-    found: dict[str, ComponentSpec] = {}
-    errors: list[str] = []
-    from kvcore.plugins import registry  # noqa: PLC0415
-
-    origins = registry._get().origins
-    for impl in pm.hook.kvcore_register_components.get_hookimpls():
-        origin = origins.get(impl.plugin_name)
-        dist = origin.distribution if origin is not None else impl.plugin_name
-
-        def register(name: str, factory: Callable[..., TreeComponent], *, options: type[BaseModel] | None = None,
-                     description: str = "", _dist: str = dist, _plugin: str = impl.plugin_name) -> None:
-            if not isinstance(name, str) or not name.isidentifier():
-                raise PluginError(f"component name must be an identifier, got {name!r}")
-            if not callable(factory):
-                raise PluginError(f"component {name!r}: factory {factory!r} is not callable")
-            if options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
-                raise PluginError(f"component {name!r}: options must be a pydantic model, got {options!r}")
-            old = found.get(name)
-            if old is not None:
-                if _first_party(old.distribution) and not _first_party(_dist):
-                    errors.append(f"component {name!r} of {_dist} refused: the name is kvcore's ({old.distribution})")
-                    return
-                raise PluginError(f"component {name!r} is registered by both {old.distribution} and {_dist}")
-            doc = description or (getattr(factory, "__doc__", None) or "").strip().split("\n")[0]
-            found[name] = ComponentSpec(name, factory, options, doc, _dist, _plugin)
-
-        try:
-            impl.function(register=register)
-        except Exception as exc:  # noqa: BLE001  a broken plugin must not stop the others
-            errors.append(f"{impl.plugin_name}: component registration failed: {type(exc).__name__}: {exc}")
-    return found, errors
-
-
-def _state() -> tuple[dict[str, ComponentSpec], list[str]]:
-    global _cache
-    from kvcore.plugins import get_plugin_manager  # noqa: PLC0415
-
-    pm = get_plugin_manager()
-    with _lock:
-        if _cache is None or _cache[0] is not pm:
-            found, errors = _collect(pm)
-            _cache = (pm, found, errors)
-        return _cache[1], _cache[2]
+COMPONENTS: Kind[ComponentSpec] = Kind(
+    "component", "kvcore_register_components", _make_component, error=ValueError,
+    unknown="unknown component {name!r}; registered components: {known} "
+    "(a distribution adds one with the kvcore_register_components hook)",
+)
 
 
 def reset_components() -> None:
     """Forget the registered components (the next lookup collects them again)."""
-    global _cache
-    with _lock:
-        _cache = None
+    COMPONENTS.reset()
 
 
 def available_components() -> dict[str, ComponentSpec]:
     """Every registered component kind by name."""
-    return dict(sorted(_state()[0].items()))
+    return COMPONENTS.all()
 
 
-def component_failures() -> list[str]:
-    return list(_state()[1])
+def component_failures() -> list[PluginFailure]:
+    """Component registrations that were refused, and why."""
+    return COMPONENTS.failures()
 
 
 def get_component(name: str) -> ComponentSpec:
     """The spec of component ``name``; ValueError lists the registered ones."""
-    found = _state()[0]
-    try:
-        return found[name]
-    except KeyError:
-        known = ", ".join(sorted(found)) or "none"
-        raise ValueError(
-            f"unknown component {name!r}; registered components: {known} "
-            "(a distribution adds one with the kvcore_register_components hook)"
-        ) from None
+    return COMPONENTS.get(name)

@@ -7,13 +7,13 @@ A device kind (``cpu``, ``cuda``, a plugin's ``npu``) is a :class:`DeviceSpec`:
   devices, so it imports nothing heavy (``importlib.util.find_spec``, not ``import``).
 * ``resolve(text)``: the ``torch.device`` for ``"cuda:1"`` and the like; heavy imports
   (``torch_npu``) happen here, only when a cache is really built on the device.
-* ``allocator`` / ``kv_pool``: the classes :class:`kvcore.CacheConfig` builds the token
-  allocator and the K/V buffer with (default: :class:`kvcore.pools.TokenToKVPoolAllocator`,
-  :class:`kvcore.pools.MHATokenToKVPool`); the K/V pool's ``set_kv_buffer`` is how K/V is
-  written on this device.  Backends whose config builds its own allocator (SWA's two
-  pools) keep theirs and only take the torch device.
-* ``defaults``: :class:`kvcore.CacheConfig` options the device sets when the caller does
-  not (``{"page_size": 128}``).
+* ``allocator`` / ``kv_pool``: the classes the default :class:`kvcore.pool_builder.PoolBuilder`
+  builds the token allocator and the K/V buffer with (default:
+  :class:`kvcore.pools.TokenToKVPoolAllocator`, :class:`kvcore.pools.MHATokenToKVPool`); the K/V
+  pool's ``set_kv_buffer`` is how K/V is written on this device.  Backends whose builder makes
+  its own allocator (SWA's two pools) keep theirs and only take the torch device.
+* ``defaults``: :class:`kvcore.CacheConfig` options ``create_cache`` sets for the device when
+  the caller does not (``{"page_size": 128}``).
 * ``page_aligned_sessions``: a streaming session reuses only whole pages of a finished
   turn (SGLang's rule for Ascend); see :class:`kvcore.StreamingSession`.
 * ``synchronize(device)``: wait for queued work (the bench times steps with it).
@@ -31,9 +31,12 @@ from typing import Any
 
 import torch
 
-from kvcore.errors import DeviceUnavailable
+from kvcore.config import CacheConfig
+from kvcore.errors import DeviceUnavailable, PluginError
+from kvcore.plugins import Kind, Origin
 
 __all__ = [
+    "DEVICES",
     "DeviceSpec",
     "available_devices",
     "check_device",
@@ -75,7 +78,7 @@ class DeviceSpec:
         except Exception as exc:  # a broken probe must not break `kvcore backends`
             return f"availability check failed: {type(exc).__name__}: {exc}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         why = self.availability()
         return {
             "name": self.name,
@@ -103,18 +106,57 @@ def device_kind(device: str | torch.device) -> str:
     return str(device).split(":", 1)[0].strip()
 
 
+def _make_device(
+    origin: Origin,
+    name: str,
+    *,
+    why_unavailable: Callable[[], str | None],
+    resolve: Callable[[str], torch.device] | None = None,
+    allocator: Callable[..., Any] | None = None,
+    kv_pool: Callable[..., Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    synchronize: Callable[[torch.device], None] | None = None,
+    page_aligned_sessions: bool = False,
+    description: str = "",
+) -> DeviceSpec:
+    """One ``register(name, ...)`` call of ``kvcore_register_devices`` (see the hookspec), checked."""
+    if ":" in name:
+        raise PluginError(f"device name must not contain ':', got {name!r}")
+    for what, fn in (("why_unavailable", why_unavailable), ("resolve", resolve), ("allocator", allocator),
+                     ("kv_pool", kv_pool), ("synchronize", synchronize)):
+        if fn is not None and not callable(fn):
+            raise PluginError(f"device {name!r}: {what} {fn!r} is not callable")
+    if why_unavailable is None:
+        raise PluginError(f"device {name!r}: why_unavailable is required")
+    options = set(CacheConfig.model_fields)
+    unknown = sorted(set(defaults or {}) - options - {"device"})
+    if "device" in (defaults or {}) or unknown:
+        raise PluginError(
+            f"device {name!r}: defaults {unknown or ['device']} are not kvcore.CacheConfig options "
+            f"(choose from {', '.join(sorted(options - {'device'}))})"
+        )
+    return DeviceSpec(
+        name, why_unavailable, resolve=resolve or _torch_device, allocator=allocator, kv_pool=kv_pool,
+        defaults=MappingProxyType(dict(defaults or {})), synchronize=synchronize or _no_sync,
+        page_aligned_sessions=bool(page_aligned_sessions), description=description,
+        distribution=origin.distribution, version=origin.version, plugin=origin.plugin,
+    )
+
+
+DEVICES: Kind[DeviceSpec] = Kind(
+    "device", "kvcore_register_devices", _make_device, error=DeviceUnavailable,
+    unknown="unknown device {name!r}; registered devices: {known} (`kvcore backends` lists them)",
+)
+
+
 def available_devices() -> dict[str, DeviceSpec]:
     """Every registered device kind by name (usable here or not: see ``availability()``)."""
-    from kvcore.plugins import registry
-
-    return registry.devices()
+    return DEVICES.all()
 
 
 def get_device(device: str | torch.device) -> DeviceSpec:
     """The spec of ``device``'s kind; DeviceUnavailable names the registered kinds when it is unknown."""
-    from kvcore.plugins import registry
-
-    return registry.device(device_kind(device), shown=str(device))
+    return DEVICES.get(device_kind(device), shown=str(device))
 
 
 def check_device(device: str | torch.device) -> torch.device:

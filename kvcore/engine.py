@@ -453,9 +453,7 @@ class Engine:
     def _check_prompt(req: Req) -> None:
         """Every token id checked once, at admission, before a row, a slot, a state or a session moves."""
         if not req.origin_input_ids:
-            raise ValueError(
-                f"request {req.rid!r} has an empty prompt: there is nothing to compute (nothing was taken)"
-            )
+            raise ValueError(f"request {req.rid!r} has an empty prompt: nothing to compute (nothing was taken)")
         check_token_ids(req.origin_input_ids)
         if req.output_ids:
             check_token_ids(req.output_ids)

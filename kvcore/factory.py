@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pluggy
 from pydantic import ValidationError
 
 from kvcore import hookspecs
-from kvcore.config import CacheInitParams
-from kvcore.devices import check_device
-from kvcore.errors import KvcoreError
-from kvcore.plugins import get_backend, get_plugin_manager
+from kvcore.cache import BasePrefixCache
+from kvcore.config import CacheConfig, CacheInitParams
+from kvcore.devices import check_device, get_device
+from kvcore.errors import DeviceUnavailable, KvcoreError, PluginError
+from kvcore.plugins import BackendSpec, get_backend, get_plugin_manager
+from kvcore.pool_builder import DEFAULT_POOLS, Placement, PoolBuilder
 
-__all__ = ["create_cache", "ConfigError", "attach_lifecycle"]
+__all__ = [
+    "ConfigError",
+    "attach_lifecycle",
+    "build_pools",
+    "create_cache",
+    "device_defaults",
+    "resolve_placement",
+    "validate_options",
+]
 
 
 class ConfigError(KvcoreError, ValueError):
@@ -62,34 +73,71 @@ def attach_lifecycle(cache) -> pluggy.PluginManager:
     return pm
 
 
-def create_cache(name: str, **options: Any):
-    """Build backend ``name`` with pools made from ``options``.
+def device_defaults(spec: BackendSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the defaults of the device they name (``npu``: ``page_size=128``) for the backend's
+    options not given; an unknown device is left to :func:`resolve_placement` to report."""
+    device = options.get("device", spec.config.model_fields["device"].default)
+    if not isinstance(device, str):
+        return dict(options)
+    try:
+        kind = get_device(device)
+    except DeviceUnavailable:
+        return dict(options)
+    fields = spec.config.model_fields
+    return {**{k: v for k, v in kind.defaults.items() if k in fields and k not in options}, **options}
 
-    Options are validated by the backend's config model (``extra="forbid"``); an
-    unknown backend raises BackendNotFound listing the known ones, a bad option
-    raises ConfigError naming the backend and the field, and a device that is
-    unknown or not usable here raises DeviceUnavailable saying what is missing
-    (``torch_npu is not installed``), before any pool is built.  The pools come
-    from the device's allocator and K/V-pool classes (``config.pool_device()``),
-    whose session rule the built cache carries (``session_page_aligned``).
-    """
+
+def resolve_placement(device: str, pools: PoolBuilder[Any] = DEFAULT_POOLS) -> Placement:
+    """Where pools for option ``device`` live: DeviceUnavailable (one line, what is missing) when nowhere."""
+    torch_device = check_device(device)
+    kind = get_device(pools.device_kind) if pools.device_kind is not None else get_device(device)
+    return Placement(kind, torch_device)
+
+
+def validate_options(name: str, **options: Any) -> CacheConfig:
+    """Backend ``name``'s validated config for ``options`` (device defaults applied); ConfigError names the field."""
     spec = get_backend(name)
     try:
-        config = spec.config(**options)
+        return spec.config(**device_defaults(spec, options))
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(name, exc)) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"backend {name!r}: {exc}") from None
-    # The pools live on the torch device the kind resolves to (a plugin's kind may map onto another).
-    config._torch_device = str(check_device(config.device))
-    pools = config.pool_device()
-    params = CacheInitParams.from_config(config)
+
+
+def build_pools(name: str, config: CacheConfig) -> CacheInitParams:
+    """The pools backend ``name`` runs on for ``config``, built by its registered PoolBuilder."""
+    pools = get_backend(name).pools
+    return pools.build(config, resolve_placement(config.device, pools))
+
+
+def create_cache(name: str, **options: Any) -> BasePrefixCache:
+    """Build backend ``name`` with pools made from ``options``.
+
+    Options are validated by the backend's config model (``extra="forbid"``, strict);
+    an unknown backend raises BackendNotFound listing the known ones, a bad option
+    raises ConfigError naming the backend and the field, and a device that is
+    unknown or not usable here raises DeviceUnavailable saying what is missing
+    (``torch_npu is not installed``), before any pool is built.  The device's
+    defaults apply to options not given; the pools come from the backend's
+    :class:`kvcore.pool_builder.PoolBuilder` (by default the device's allocator and
+    K/V-pool classes), and the built cache carries the device's session rule
+    (``session_page_aligned``).
+    """
+    spec = get_backend(name)
+    config = validate_options(name, **options)
+    placement = resolve_placement(config.device, spec.pools)
+    params = spec.pools.build(config, placement)
     try:
         cache = spec.factory(params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"backend {name!r}: {exc}") from exc
+    if not isinstance(cache, BasePrefixCache):
+        raise PluginError(
+            f"backend {name!r}: its factory returned {type(cache).__name__}, not a kvcore.BasePrefixCache"
+        )
     cache.backend_name = name
-    cache.session_page_aligned = pools.page_aligned_sessions
+    cache.session_page_aligned = placement.device.page_aligned_sessions
     attach_lifecycle(cache)
     get_plugin_manager().hook.kvcore_cache_created(cache=cache)
     return cache

@@ -364,10 +364,11 @@ class _Driver:
             ("insert float value", insert_with(torch.zeros(ps, dtype=torch.float32)), tree),
             ("match bool key", lambda: inner.match_prefix([True, False] * ps), True),
             ("match negative token", lambda: inner.match_prefix([1, -1]), True),
-            ("match float token", lambda: inner.match_prefix([1.5]), True),
+            # Deliberately ill-typed: the bad inputs a caller may pass.
+            ("match float token", lambda: inner.match_prefix([1.5]), True),  # type: ignore[list-item]
             ("evict -1", lambda: inner.evict(-1), True),
-            ("evict str", lambda: inner.evict("x"), True),
-            ("alloc str", lambda: alloc.alloc("4"), True),
+            ("evict str", lambda: inner.evict("x"), True),  # type: ignore[arg-type]
+            ("alloc str", lambda: alloc.alloc("4"), True),  # type: ignore[arg-type]
             ("alloc negative", lambda: alloc.alloc(-ps), True),
             ("free padding", lambda: alloc.free(torch.zeros(1, dtype=torch.int64)), True),
             ("dec_lock_ref foreign node", lambda: inner.dec_lock_ref(object()), tree),
@@ -380,7 +381,9 @@ class _Driver:
         if free.numel() >= ps and tree:
             # prev_prefix_len must never narrow the slot check (backends without it refuse the argument).
             ops.append(("insert free slots under prev_prefix_len",
-                        lambda: inner.insert(RadixKey(key), free[:ps].clone(), prev_prefix_len=ps), True))
+                        lambda: inner.insert(RadixKey(key), free[:ps].clone(),
+                                             prev_prefix_len=ps),  # type: ignore[call-arg]
+                        True))
         if free.numel() >= ps:
             ops.append(("insert free slots", insert_with(free[:ps].clone()), tree))
             ops.append(("double free", lambda: alloc.free(free[:1].clone()), True))
@@ -409,7 +412,8 @@ class _Driver:
                                             lambda: self.cache.free_window_slots([req])), True))
                 ops.append(("float window floor", self._corrupted(req, "swa_evict_floor", 2.5,
                                                                   lambda: self.cache.free_window_slots([req])), True))
-                ops.append(("pre_lens longer than the batch", lambda: self.cache.free_window_slots([req], [1, 2]), True))
+                ops.append(("pre_lens longer than the batch",
+                            lambda: self.cache.free_window_slots([req], [1, 2]), True))
                 ops.append(("window free on another cache", lambda: other.free_window_slots([req]), True))
             if req in self.decoding:
                 ops.append(("decode batch naming a request twice", lambda: self.engine.decode([req, req]), True))

@@ -34,14 +34,18 @@ __all__ = ["hookspec", "hookimpl", "PROJECT_NAME", "CacheLifecycleSpec"]
 
 @hookspec
 def kvcore_register_backends(register: Callable[..., None]) -> None:
-    """Register cache backends: ``register(name, factory, config=..., description=..., reference=None)``.
+    """Register cache backends: ``register(name, factory, config=..., description=..., reference=None,
+    pools=None)``.
 
     ``factory(params)`` receives a :class:`kvcore.CacheInitParams` and returns a
     :class:`kvcore.BasePrefixCache`; ``config`` is the pydantic model of the
     backend's options (default :class:`kvcore.CacheConfig`); ``reference`` names
     the backend that ``kvcore bench`` compares this one against (default
-    ``radix``).  A name registered by two distributions is refused, naming both.
-    Every implementation is called; the return value is ignored.
+    ``radix``); ``pools`` is the :class:`kvcore.pool_builder.PoolBuilder` that builds
+    its pools from the config (default: kvcore's own).  Names follow the registrar's
+    one rule (:mod:`kvcore.plugins`): kvcore's own names stay theirs, a name two
+    others claim is refused, naming both.  Every implementation is called; the
+    return value is ignored.
     """
 
 
@@ -50,7 +54,8 @@ def kvcore_register_eviction_policies(register: Callable[[str, Callable[[], Any]
     """Register eviction policies for tree backends: ``register(name, factory)``.
 
     ``factory()`` returns an object with ``get_priority(node)``; nodes with the
-    smallest priority are evicted first.  Every implementation is called.
+    smallest priority are evicted first.  Names follow the registrar's one rule
+    (:mod:`kvcore.plugins`).  Every implementation is called; the return value is ignored.
     """
 
 
@@ -65,8 +70,8 @@ def kvcore_register_devices(register: Callable[..., None]) -> None:
     heavy imports.  ``allocator`` and ``kv_pool`` are the classes pools are built
     with on this device, ``defaults`` the :class:`kvcore.CacheConfig` options it sets
     when the caller does not (see :mod:`kvcore.devices`).  The core registers ``cpu``
-    and ``cuda`` through this hook; a name registered by two distributions is
-    refused, naming both.  Every implementation is called; the return value is ignored.
+    and ``cuda`` through this hook; names follow the registrar's one rule
+    (:mod:`kvcore.plugins`).  Every implementation is called; the return value is ignored.
     """
 
 
@@ -81,8 +86,8 @@ def kvcore_register_components(register: Callable[..., None]) -> None:
     order, pool accounting); ``options`` is its pydantic options model
     (``extra="forbid"``), whose fields become options of
     ``create_cache("unified", components=(...))``.  ``full``, ``swa`` and ``mamba``
-    register through this hook too; a name registered by two distributions is
-    refused, naming both.  Every implementation is called; the return value is ignored.
+    register through this hook too; names follow the registrar's one rule
+    (:mod:`kvcore.plugins`).  Every implementation is called; the return value is ignored.
     """
 
 

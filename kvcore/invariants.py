@@ -215,7 +215,7 @@ class InvariantChecker:
         cnt.clamp_(max=1)
 
         # 2. The owners: 2 per distinct page each owner holds, in chunks of about _CHUNK slots.
-        uncached = session_held = 0
+        uncached = session_held = node_held = 0
         pending: list[torch.Tensor] = []
         queued = 0
         for name, slots, bucket, count in self._owned(pool, live, idle, row_page):
@@ -223,6 +223,8 @@ class InvariantChecker:
                 uncached += count
             elif bucket == "session":
                 session_held += count
+            else:
+                node_held += int(slots.numel())
             if not slots.numel():
                 continue
             outside(slots, f"is owned by {name}")
@@ -269,9 +271,17 @@ class InvariantChecker:
             lost = int((cnt[1:] == 0).sum())
             p = _first(cnt, lambda c: c == 0, start=1)
             assert p is not None  # a page below 1 that is not 0: the only kind left
+            hint = ""
+            if node_held < cached[0] + cached[1]:
+                # The usual author's bug: the tree holds the slots but does not say so.
+                hint = (
+                    f"; the cache counts {cached[0] + cached[1]} cached token(s) in this pool but its "
+                    f"iter_owned_slots() yielded {node_held} slot(s): a backend's iter_owned_slots() must yield a "
+                    "kvcore.SlotOwner for every slot its nodes hold"
+                )
             raise InvariantViolation(
                 f"[{pool.name}] {slot_text(p)} leaked: not in the free list and owned by no node, request or "
-                f"session ({lost} page(s) leaked in all); {report}"
+                f"session ({lost} page(s) leaked in all); {report}{hint}"
             )
         del cnt
         if not report.balanced:

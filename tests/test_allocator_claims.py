@@ -34,11 +34,11 @@ def test_numpy_and_torch_paths_refuse_alike_and_change_nothing(ps):
     for name, slots in _cases(alloc, held, ps).items():
         messages = set()
         for dtype in (torch.int64, torch.int32):  # int64 on the CPU: numpy views; int32: torch ops
-            owned, free = alloc._owned.clone(), alloc._free_cnt.clone()
+            owned, free = alloc.claims.owner_map().clone(), alloc.pages.free_cnt.clone()
             with pytest.raises(ValueError) as err:
                 alloc.check_claimable(torch.tensor(slots, dtype=dtype), commit=True)
             messages.add(str(err.value))
-            assert torch.equal(alloc._owned, owned) and torch.equal(alloc._free_cnt, free), name
+            assert torch.equal(alloc.claims.owner_map(), owned) and torch.equal(alloc.pages.free_cnt, free), name
         assert len(messages) == 1, (name, messages)
     good = held[ps : 3 * ps]
     for dtype in (torch.int64, torch.int32):

@@ -148,7 +148,7 @@ def test_a_first_party_name_is_refused():
     reset_components()
     try:
         assert get_component("swa").distribution == "kvcore-unified"
-        assert any("'swa'" in f and "refused" in f for f in component_failures())
+        assert any("'swa'" in f.error and "refused" in f.error for f in component_failures())
     finally:
         pm.unregister(name="clash-plugin")
         reset_components()

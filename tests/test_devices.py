@@ -134,7 +134,7 @@ def test_cuda_pools_live_on_the_gpu():
     slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :41].to(torch.int64)
     cache.kv_pool.set_kv_buffer(0, slots, torch.ones(41, 2, 8, device="cuda"), torch.ones(41, 2, 8, device="cuda"))
     synchronize(torch.device("cuda"))
-    assert cache.token_to_kv_pool_allocator._ring.device.type == "cuda"
+    assert cache.token_to_kv_pool_allocator.free_slots().device.type == "cuda"
     engine.finish(req)
     kvcore.InvariantChecker(cache).check([])
     n = torch.cuda.device_count()

@@ -25,7 +25,11 @@ lock/unlock accounting, eviction frees only unlocked entries, insert returns the
 cached prefix length, extra_key isolation, bad input leaves state unchanged,
 chunked prefill then finish, streaming sessions, reset returns every slot) and a
 hypothesis state machine over match/insert/lock/unlock/evict/admit/prefill
-chunk/decode/finish.  Every test ends with ``kvcore.InvariantChecker``.
+chunk/decode/finish, and ``test_fuzz``: a short seeded ``kvcore fuzz`` run (the same
+engine, :mod:`kvcore.fuzz`) per page size, bad inputs mixed in.  Every test ends with
+``kvcore.InvariantChecker``.  kvcore's ``pytest11`` entry point registers this package
+for pytest's assertion rewriting, so a failing kit assertion shows its values; a
+backend that did not load is reported at collection with the plugin's error.
 
 Hypothesis budgets follow ``KVCORE_HYPOTHESIS_PROFILE`` (``dev`` by default,
 ``ci``, ``long``: see :mod:`kvcore.testing.profiles`), so a long fuzz run is

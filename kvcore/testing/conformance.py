@@ -48,9 +48,10 @@ def backend_page_sizes(backend: str) -> tuple[int, ...]:
     A backend whose pools come in one page size (npu: 128) declares it as the
     default of its config model's ``page_size`` field.
     """
-    from kvcore.plugins import available_backends
+    from kvcore.plugins import get_backend
 
-    spec = available_backends()[backend]
+    # BackendNotFound says which plugins did not load and why (a bare KeyError at collection did not).
+    spec = get_backend(backend)
     default = spec.config.model_fields["page_size"].default
     default = int(default) if isinstance(default, int) and default > 0 else 1
     return (1, 16) if default == 1 else (default,)
@@ -101,7 +102,10 @@ class PrefixCacheConformance:
     * ``backend_options``: extra ``create_cache`` options for every build;
     * ``state_machine_examples`` / ``state_machine_steps``: the hypothesis
       budget at the ``dev`` profile; ``KVCORE_HYPOTHESIS_PROFILE=ci|long``
-      scales it (``kvcore.testing.profiles``).
+      scales it (``kvcore.testing.profiles``);
+    * ``fuzz_ops`` / ``fuzz_seeds`` / ``fuzz_bad_rate`` / ``fuzz_check_every``:
+      ``test_fuzz``, a short ``kvcore fuzz`` run per seed and page size (3,000
+      operations, seed 0, 5% bad inputs, the checker every 50 operations).
 
     A backend that is not registered (or needs a wrapper) overrides the
     ``make_cache`` fixture instead: a callable ``make_cache(**options) -> cache``.
@@ -119,6 +123,11 @@ class PrefixCacheConformance:
     # Hypothesis budget of the state machine at the dev profile.
     state_machine_examples: int = 40
     state_machine_steps: int = 30
+    #: test_fuzz: operations per seed, the seeds, the share of bad inputs, checker period
+    fuzz_ops: int = 3000
+    fuzz_seeds: tuple[int, ...] = (0,)
+    fuzz_bad_rate: float = 0.05
+    fuzz_check_every: int = 50
 
     # -- parametrization and fixtures --------------------------------------------
 
@@ -465,6 +474,24 @@ class PrefixCacheConformance:
         run_state_machine_as_test(
             cast(Any, factory), settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps)
         )
+
+    def test_fuzz(self, page_size):
+        """``kvcore fuzz`` in the author's own test run: seeded engine operations, bad inputs mixed in.
+
+        The same engine as the command (:func:`kvcore.fuzz.run_fuzz`), so what it finds is found here
+        too: an unclean error on a bad input (an AttributeError from ``dec_lock_ref`` of a foreign node),
+        a bad input accepted (slots another node owns), a state changed by a refused call, a leak.
+        """
+        if self.backend is None:
+            pytest.skip("the fuzz run builds the backend by its registered name: set `backend`")
+        from kvcore.fuzz import FuzzFailure, run_fuzz
+
+        for seed in self.fuzz_seeds:
+            try:
+                run_fuzz(self.backend, self.fuzz_ops, seed, check_every=self.fuzz_check_every,
+                         bad_rate=self.fuzz_bad_rate, page_size=page_size)
+            except FuzzFailure as exc:
+                pytest.fail(str(exc), pytrace=False)
 
 
 # --------------------------------------------------------------------------- state machine

@@ -45,7 +45,7 @@ class HiSparseCache(ChunkCache):
         if not isinstance(alloc, HiSparseTokenToKVPoolAllocator):
             raise TypeError(f"HiSparseCache needs a HiSparseTokenToKVPoolAllocator, got {type(alloc).__name__}")
         if not isinstance(params.kv_pool, HiSparseTokenToKVPool):
-            raise TypeError("HiSparseCache needs its device pool (HiSparseConfig.build_kv_buffer)")
+            raise TypeError("HiSparseCache needs its device pool (HiSparsePools.kv_pool)")
         super().__init__(params)
         self.config: HiSparseConfig = config
         self.token_to_kv_pool_allocator = alloc

@@ -3,11 +3,17 @@ host_to_device_ratio)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field, model_validator
 
 from kvcore.config import CacheConfig, KvBufferConfig
+from kvcore.pool_builder import Placement, PoolBuilder
 
-__all__ = ["HiSparseConfig", "DEFAULT_KV_SHAPE"]
+if TYPE_CHECKING:
+    from kvcore_hisparse.memory_pool import HiSparseTokenToKVPool, HiSparseTokenToKVPoolAllocator
+
+__all__ = ["HiSparseConfig", "HiSparsePools", "DEFAULT_KV_SHAPE"]
 
 #: K/V shape when ``kv_buffer`` is not given: small, so the host copy of a long context fits a CPU test.
 DEFAULT_KV_SHAPE = KvBufferConfig(num_layers=2, num_heads=1, head_dim=64, dtype="float16")
@@ -61,20 +67,26 @@ class HiSparseConfig(CacheConfig):
     def logical_size(self) -> int:
         return self.size * self.host_to_device_ratio
 
-    def build_allocator(self):
+
+
+class HiSparsePools(PoolBuilder[HiSparseConfig]):
+    """The pools of ``hisparse``: the logical/device allocator and the device K/V pool (always built)."""
+
+    def allocator(self, config: HiSparseConfig, at: Placement) -> HiSparseTokenToKVPoolAllocator:
         from kvcore_hisparse.memory_pool import HiSparseTokenToKVPoolAllocator
 
         return HiSparseTokenToKVPoolAllocator(
-            self.size, self.page_size, self.device, host_to_device_ratio=self.host_to_device_ratio
+            config.size, config.page_size, at.torch_device, host_to_device_ratio=config.host_to_device_ratio
         )
 
-    def build_kv_buffer(self):
+    def kv_pool(self, config: HiSparseConfig, at: Placement) -> HiSparseTokenToKVPool:
         """The device K/V pool: ``size`` slots, written through the logical-to-device map."""
         import torch
 
         from kvcore_hisparse.memory_pool import HiSparseTokenToKVPool
 
-        kb = self.kv_shape
+        kb = config.kv_shape
         return HiSparseTokenToKVPool(
-            self.size, self.page_size, getattr(torch, kb.dtype), kb.num_heads, kb.head_dim, kb.num_layers, self.device
+            config.size, config.page_size, getattr(torch, kb.dtype), kb.num_heads, kb.head_dim, kb.num_layers,
+            at.torch_device,
         )

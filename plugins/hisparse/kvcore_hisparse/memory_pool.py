@@ -214,7 +214,7 @@ class HiSparseTokenToKVPoolAllocator:
         return [PoolView("full", self.logical_attn_allocator)]
 
     def translate_loc_from_full_to_hisparse_device(self, full_indices: Any) -> torch.Tensor:
-        return self.full_to_hisparse_device_index_mapping[self.logical_attn_allocator._as_slots(full_indices)]
+        return self.full_to_hisparse_device_index_mapping[self.logical_attn_allocator.as_slots(full_indices)]
 
     # ---- alloc -------------------------------------------------------------
 
@@ -327,7 +327,7 @@ class HiSparseTokenToKVPoolAllocator:
 
     def free_hisparse(self, free_indices: Any) -> None:
         """Free the device slots ``free_indices`` map to, and unmap them."""
-        slots = self.logical_attn_allocator._as_slots(free_indices)
+        slots = self.logical_attn_allocator.as_slots(free_indices)
         if slots.numel() == 0:
             return
         hisparse = self.full_to_hisparse_device_index_mapping[slots]
@@ -338,12 +338,12 @@ class HiSparseTokenToKVPoolAllocator:
         hisparse = self.full_to_hisparse_device_index_mapping[slots]
         hisparse = hisparse[hisparse > 0]
         if hisparse.numel():
-            self.hisparse_attn_allocator._checked_pages(hisparse)
+            self.hisparse_attn_allocator.check_free(hisparse)
 
     def free(self, free_index: Any) -> None:
         """Logical slots and the device slots they still map to; checked on both sides before anything moves."""
         logical = self.logical_attn_allocator
-        slots = logical._as_slots(free_index)
+        slots = logical.as_slots(free_index)
         if slots.numel() == 0:
             return
         self._check_device_side(slots)
@@ -362,7 +362,7 @@ class HiSparseTokenToKVPoolAllocator:
                 f"but {type(self).__name__} has no window pool"
             )
         logical = self.logical_attn_allocator
-        alive = [(logical._as_slots(s), st) for s, st in alive]
+        alive = [(logical.as_slots(s), st) for s, st in alive]
         pieces = trim_row_segments(alive, self.page_size)
         if not pieces:
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvcore import hookimpl
 from kvcore_hisparse.cache import HiSparseCache
-from kvcore_hisparse.config import HiSparseConfig
+from kvcore_hisparse.config import HiSparseConfig, HiSparsePools
 
 
 @hookimpl
@@ -13,6 +13,7 @@ def kvcore_register_backends(register):
         "hisparse",
         HiSparseCache,
         config=HiSparseConfig,
+        pools=HiSparsePools(),
         description=(
             "Sparse-attention decode with full KV on the host and a small per-request device buffer "
             "(top-k swap-in with a per-layer LRU; SGLang HiSparseCoordinator)"

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pydantic import field_validator, model_validator
 
 from kvcore.config import TreeCacheConfig
+from kvcore.pool_builder import Placement, PoolBuilder
+from kvcore.pools import ReqToTokenPool
 from kvcore.pools.mamba_pool import MambaStateOptions
 
-__all__ = ["MambaConfig"]
+__all__ = ["MambaConfig", "MambaPools"]
 
 
 class MambaConfig(TreeCacheConfig, MambaStateOptions):
@@ -52,7 +54,12 @@ class MambaConfig(TreeCacheConfig, MambaStateOptions):
             )
         return self
 
-    def build_req_to_token_pool(self):
-        return self.build_hybrid_req_to_token_pool(max_num_reqs=self.max_num_reqs,
-                                                   max_context_len=self.max_context_len,
-                                                   page_size=self.page_size, device=self.device)
+
+
+class MambaPools(PoolBuilder[MambaConfig]):
+    """The pools of ``mamba``: rows with a state slot each (HybridReqToTokenPool over a MambaPool)."""
+
+    def req_to_token_pool(self, config: MambaConfig, at: Placement) -> ReqToTokenPool:
+        return config.build_hybrid_req_to_token_pool(max_num_reqs=config.max_num_reqs,
+                                                     max_context_len=config.max_context_len,
+                                                     page_size=config.page_size, device=at.torch_device)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcore import hookimpl
-from kvcore_mamba.config import MambaConfig
+from kvcore_mamba.config import MambaConfig, MambaPools
 from kvcore_mamba.mamba_cache import MambaRadixCache
 
 
@@ -13,6 +13,7 @@ def kvcore_register_backends(register):
         "mamba",
         MambaRadixCache,
         config=MambaConfig,
+        pools=MambaPools(),
         description=(
             "Hybrid full-attention + Mamba radix tree: a state pool, state snapshots per node, mamba "
             "tombstones, two LRU orders, copy-on-write states (SGLang MambaRadixCache)"

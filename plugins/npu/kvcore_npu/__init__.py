@@ -10,9 +10,11 @@ from importlib.metadata import version
 
 from kvcore_npu.allocator import NPUPagedTokenToKVPoolAllocator
 from kvcore_npu.cache import build_npu_cache
-from kvcore_npu.config import NpuConfig
+from kvcore_npu.config import NpuConfig, NpuPools
 from kvcore_npu.memory_pool import NPUMHATokenToKVPool
 
 __version__ = version("kvcore-npu")
 
-__all__ = ["NPUMHATokenToKVPool", "NPUPagedTokenToKVPoolAllocator", "NpuConfig", "build_npu_cache", "__version__"]
+__all__ = [
+    "NPUMHATokenToKVPool", "NPUPagedTokenToKVPoolAllocator", "NpuConfig", "NpuPools", "build_npu_cache", "__version__",
+]

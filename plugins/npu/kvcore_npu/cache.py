@@ -4,7 +4,7 @@ kvcore keeps one radix tree: kvcore-radix's.  The device ``npu`` is registered
 with SGLang's NPU allocator and K/V-pool classes, so ``radix`` (and any tree
 backend) already runs on it (``create_cache("radix", device="npu")``).  Backend
 ``npu`` is that same tree with Ascend's defaults: page size 128 and the NPU pools
-even on ``device="cpu"`` (:meth:`kvcore_npu.NpuConfig.pool_device`), which is how
+even on ``device="cpu"`` (:class:`kvcore_npu.NpuPools`), which is how
 CI exercises the NPU code path.  The ``radix`` factory is found through kvcore's
 registry at build time; this package never imports kvcore_radix.
 """

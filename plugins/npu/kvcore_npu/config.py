@@ -5,9 +5,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from kvcore.config import TreeCacheConfig
-from kvcore.devices import DeviceSpec, get_device
+from kvcore.pool_builder import PoolBuilder
 
-__all__ = ["NpuConfig"]
+__all__ = ["NpuConfig", "NpuPools"]
 
 
 class NpuConfig(TreeCacheConfig):
@@ -18,6 +18,8 @@ class NpuConfig(TreeCacheConfig):
 
     page_size: int = Field(128, gt=0, description="tokens per page (128: SGLang's NPU page size)")
 
-    def pool_device(self) -> DeviceSpec:
-        """The NPU pools and session rule whatever the torch device (see :class:`kvcore.CacheConfig`)."""
-        return get_device("npu")
+
+class NpuPools(PoolBuilder[NpuConfig]):
+    """The ``npu`` device's pool classes and session rule whatever the torch device (``cpu`` in CI)."""
+
+    device_kind = "npu"

@@ -7,7 +7,7 @@ from kvcore import hookimpl
 from kvcore_npu import device
 from kvcore_npu.allocator import NPUPagedTokenToKVPoolAllocator
 from kvcore_npu.cache import build_npu_cache
-from kvcore_npu.config import NpuConfig
+from kvcore_npu.config import NpuConfig, NpuPools
 from kvcore_npu.memory_pool import NPUMHATokenToKVPool
 
 
@@ -32,6 +32,7 @@ def kvcore_register_backends(register):
         "npu",
         build_npu_cache,
         config=NpuConfig,
+        pools=NpuPools(),
         description="The radix tree on SGLang's NPU pools: page 128, int32 batch slots, 5-D K/V buffer "
         "(runs on device cpu too)",
         reference="radix",

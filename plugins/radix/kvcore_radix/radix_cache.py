@@ -10,6 +10,7 @@ concatenates once at the end.  One clock reading per call, ``__slots__`` nodes.
 from __future__ import annotations
 
 import heapq
+import logging
 import sys
 import time
 from collections.abc import Hashable, Iterator
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from kvcore.record import Req
 
 __all__ = ["RadixCache", "RadixConfig", "TreeNode"]
+
+_log = logging.getLogger(__name__)
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
@@ -96,12 +99,18 @@ class RadixCache(KVEventLog, BasePrefixCache):
         super().__init__(params)
         config = cast(RadixConfig, params.config)
         self.config = config
-        alloc_ps = self.token_to_kv_pool_allocator.page_size
-        if alloc_ps != self.page_size:
-            raise ValueError(f"page_size={self.page_size} differs from the allocator's page_size={alloc_ps}")
+        alloc = self.token_to_kv_pool_allocator
+        # Tree-only (no allocator), as SGLang builds its RadixCache in its own unit tests: the values are the
+        # caller's, so evict and reset only drop them, and the strict slot checks have no pool to check against.
+        self.tree_only = alloc is None
+        if alloc is not None and alloc.page_size != self.page_size:
+            raise ValueError(f"page_size={self.page_size} differs from the allocator's page_size={alloc.page_size}")
         self.disable = bool(config.disable)
         # strict (set by the base): insert claims its slots in the allocator (refusing free, padding,
         # out-of-range, duplicated or already-owned ones) and evict/reset disown them.
+        self.strict = self.strict and not self.tree_only
+        if self.tree_only and config.strict:
+            _log.info("radix: tree-only cache (no allocator): strict slot checks have nothing to check against")
         self._claims = cast(SlotClaims, self.token_to_kv_pool_allocator)
         self.enable_kv_events = bool(config.enable_kv_events)
         self.eviction_policy = str(config.eviction_policy).lower()
@@ -111,7 +120,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
         # evict the newest (mru, filo): SGLang's clock orders a new leaf after its split
         # sibling within one call, where ours reads the clock once.
         self._evict_tie = -1 if getattr(self.eviction_strategy, "newest_first", False) else 1
-        self.device = torch.device(self.token_to_kv_pool_allocator.device)
+        self.device = torch.device("cpu" if alloc is None else alloc.device)
         self._events: list = []
         self._init_tree()
 
@@ -137,7 +146,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
                 f"reset() while {self._protected_size} cached tokens are locked by running requests; "
                 "finish them (or release their locks) first"
             )
-        values = [owner.slots for owner in self.iter_owned_slots()]
+        values = [] if self.tree_only else [owner.slots for owner in self.iter_owned_slots()]
         if values:
             slots = torch.cat(values)
             if self.strict:
@@ -154,6 +163,10 @@ class RadixCache(KVEventLog, BasePrefixCache):
 
     def total_size(self) -> int:
         return sum(len(node.key) for node in iter_subtree(self.root_node))
+
+    def pools(self) -> list:
+        # A tree-only cache runs on no pool: the invariant checker has no slot to prove.
+        return [] if self.tree_only else super().pools()
 
     def iter_owned_slots(self) -> Iterator[SlotOwner]:
         for node in iter_subtree(self.root_node):
@@ -428,6 +441,8 @@ class RadixCache(KVEventLog, BasePrefixCache):
         leaf evicted ends up first.  One call here does the same.
         """
         alloc = self.token_to_kv_pool_allocator
+        if alloc is None:
+            return  # tree-only: the values are the caller's
         if self.strict:
             self._claims.disown(freed[0] if len(freed) == 1 else torch.cat(freed))
         if self.page_size == 1:

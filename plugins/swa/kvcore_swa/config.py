@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any, cast
 from pydantic import Field, field_validator, model_validator
 
 from kvcore.config import CacheConfig, TreeCacheConfig
+from kvcore.pool_builder import Placement, PoolBuilder
 
 if TYPE_CHECKING:
-    from kvcore.pools import SWATokenToKVPoolAllocator
+    from kvcore.pools import SWATokenToKVPoolAllocator, TokenAllocator
 
-__all__ = ["SWAConfig", "SWAChunkConfig", "SlidingWindowConfig", "min_swa_size", "require_swa_allocator"]
+__all__ = ["SWAConfig", "SWAChunkConfig", "SWAPools", "SlidingWindowConfig", "min_swa_size", "require_swa_allocator"]
 
 
 def require_swa_allocator(allocator: Any, backend: str) -> SWATokenToKVPoolAllocator:
@@ -75,10 +76,14 @@ class SWAChunkConfig(SlidingWindowConfig):
     def swa_pool_size(self) -> int:
         return self.size if self.swa_size is None else self.swa_size
 
-    def build_allocator(self):
+
+class SWAPools(PoolBuilder[SWAChunkConfig]):
+    """The pools of ``swa`` and ``swa-chunk``: a full and a window pool (SWATokenToKVPoolAllocator)."""
+
+    def allocator(self, config: SWAChunkConfig, at: Placement) -> TokenAllocator:
         from kvcore.pools import SWATokenToKVPoolAllocator
 
-        return SWATokenToKVPoolAllocator(self.size, self.swa_pool_size, self.page_size, self.device)
+        return SWATokenToKVPoolAllocator(config.size, config.swa_pool_size, config.page_size, at.torch_device)
 
 
 class SWAConfig(TreeCacheConfig, SWAChunkConfig):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvcore import hookimpl
 from kvcore_swa.chunk import SWAChunkCache
-from kvcore_swa.config import SWAChunkConfig, SWAConfig
-from kvcore_swa.pure import PureSWAChunkCache, PureSWAChunkConfig, PureSWAConfig, PureSWARadixCache
+from kvcore_swa.config import SWAChunkConfig, SWAConfig, SWAPools
+from kvcore_swa.pure import PureSWAChunkCache, PureSWAChunkConfig, PureSWAConfig, PureSWAPools, PureSWARadixCache
 from kvcore_swa.tree import SWARadixCache
 
 
@@ -15,6 +15,7 @@ def kvcore_register_backends(register):
         "swa",
         SWARadixCache,
         config=SWAConfig,
+        pools=SWAPools(),
         description=(
             "Sliding-window attention radix tree on a full + window pool: tombstones, "
             "two LRU orders, window-bounded locks (SGLang SWARadixCache)"
@@ -24,12 +25,14 @@ def kvcore_register_backends(register):
         "swa-chunk",
         SWAChunkCache,
         config=SWAChunkConfig,
+        pools=SWAPools(),
         description="Sliding-window attention without prefix reuse: frees out-of-window slots (SGLang SWAChunkCache)",
     )
     register(
         "swa-pure",
         PureSWARadixCache,
         config=PureSWAConfig,
+        pools=PureSWAPools(),
         description=(
             "Every layer sliding-window: the radix tree on one window pool, finished requests cached "
             "below swa_evict_floor (SGLang PureSWARadixCache)"
@@ -39,5 +42,6 @@ def kvcore_register_backends(register):
         "swa-pure-chunk",
         PureSWAChunkCache,
         config=PureSWAChunkConfig,
+        pools=PureSWAPools(),
         description="Every layer sliding-window, no prefix reuse, one window pool (SGLang PureSWAChunkCache)",
     )

@@ -53,6 +53,7 @@ from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult,
 from kvcore.config import CacheInitParams, TreeCacheConfig
 from kvcore.keys import KeyLike
 from kvcore.plugins import get_backend
+from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools.allocator import TokenToKVPoolAllocator, split_row_segments
 from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align, floor_align
@@ -106,7 +107,7 @@ class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
         """The identity: a slot is its own window slot."""
-        return self._as_slots(indices)
+        return self.as_slots(indices)
 
     def free_swa(self, free_index: Any) -> None:
         """The window free: the slots go back to the pool."""
@@ -114,9 +115,7 @@ class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     def free_full(self, free_index: Any) -> None:
         """No full side: nothing to give back (SGLang's rule); the slots are only range-checked."""
-        slots = self._as_slots(free_index)
-        if slots.numel():
-            self._check_range(slots)
+        self.check_in_range(self.as_slots(free_index))
 
     def free_row_segments(
         self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
@@ -136,8 +135,12 @@ class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 class PureSWAChunkConfig(SlidingWindowConfig):
     """Options of ``swa-pure-chunk``: the common options (``size`` is the one pool) and ``sliding_window_size``."""
 
-    def build_allocator(self) -> PureSWATokenToKVPoolAllocator:
-        return PureSWATokenToKVPoolAllocator(self.size, self.page_size, self.device)
+
+class PureSWAPools(PoolBuilder[PureSWAChunkConfig]):
+    """The pools of ``swa-pure`` and ``swa-pure-chunk``: one window pool (PureSWATokenToKVPoolAllocator)."""
+
+    def allocator(self, config: PureSWAChunkConfig, at: Placement) -> PureSWATokenToKVPoolAllocator:
+        return PureSWATokenToKVPoolAllocator(config.size, config.page_size, at.torch_device)
 
 
 class PureSWAConfig(TreeCacheConfig, PureSWAChunkConfig):

@@ -343,10 +343,9 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             value = value[:n]
         if self.strict:
             # prev_prefix_len never narrows the check: only the tree's own slots skip it.
-            lo = (
-                proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len)
-                if prev_prefix_len else 0
-            )
+            lo = 0
+            if prev_prefix_len:
+                lo = proven_prefix_len(self.root_node, ids, n, ps, extra_key, value, prev_prefix_len)
             self._check_slots(value, lo, n)
         if swa_evicted_seqlen > prev_prefix_len:
             # The caller says these window slots are gone; make sure they are.

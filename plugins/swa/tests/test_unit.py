@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import kvcore
-from kvcore import CacheInitParams, InvariantChecker, Req, create_cache
+from kvcore import InvariantChecker, Req, create_cache
+from kvcore.factory import build_pools
 from kvcore.testing.swa import SWAEngine
 from kvcore_swa import SWAChunkCache, SWAConfig, SWARadixCache
 
@@ -76,7 +77,7 @@ def test_only_lru_eviction_policy():
 
 def test_swa_backends_need_an_swa_allocator():
     cfg = kvcore.CacheConfig(size=64)
-    params = CacheInitParams.from_config(cfg)
+    params = build_pools("chunk", cfg)
     with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
         SWARadixCache(params)
     with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
@@ -85,7 +86,7 @@ def test_swa_backends_need_an_swa_allocator():
 
 def test_config_builds_the_hybrid_allocator():
     cfg = SWAConfig(size=128, swa_size=32, sliding_window_size=4, page_size=2, max_context_len=64)
-    alloc = cfg.build_allocator()
+    alloc = build_pools("swa", cfg).token_to_kv_pool_allocator
     assert isinstance(alloc, kvcore.SWATokenToKVPoolAllocator)
     assert (alloc.size_full, alloc.size_swa, alloc.page_size) == (128, 32, 2)
 

@@ -18,6 +18,7 @@ from kvcore.components import TreeComponent
 from kvcore.tree import LRUList, lock_path, unlock_path
 
 if TYPE_CHECKING:
+    from kvcore.pool_builder import Placement
     from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
 
 __all__ = ["FullComponent", "LRUValueComponent", "SWAComponent", "SWAOptions"]
@@ -272,11 +273,11 @@ class SWAComponent(LRUValueComponent):
             )
 
     @staticmethod
-    def build_allocator(config: Any, opts: SWAOptions) -> Any:
+    def build_allocator(config: Any, opts: SWAOptions, at: Placement) -> Any:
         from kvcore.pools import SWATokenToKVPoolAllocator
 
         swa = config.size if opts.swa_size is None else opts.swa_size
-        return SWATokenToKVPoolAllocator(config.size, swa, config.page_size, config.torch_device())
+        return SWATokenToKVPoolAllocator(config.size, swa, config.page_size, at.torch_device)
 
     def __init__(self, cache: Any, options: BaseModel | None) -> None:
         super().__init__(cache, options)

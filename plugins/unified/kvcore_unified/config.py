@@ -8,8 +8,10 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 
 from kvcore.components import TreeComponent, get_component
 from kvcore.config import TreeCacheConfig
+from kvcore.pool_builder import Placement, PoolBuilder
+from kvcore.pools import ReqToTokenPool, TokenAllocator
 
-__all__ = ["UnifiedConfig", "UnifiedMambaConfig", "UnifiedSWAConfig"]
+__all__ = ["UnifiedConfig", "UnifiedMambaConfig", "UnifiedPools", "UnifiedSWAConfig"]
 
 
 class UnifiedConfig(TreeCacheConfig):
@@ -93,21 +95,29 @@ class UnifiedConfig(TreeCacheConfig):
         """The validated options instance of component ``name`` (None if it takes none)."""
         return self._component_options.get(name)
 
-    def _build(self, what: str) -> Any:
-        built = None
-        for name in self.components:
+
+
+class UnifiedPools(PoolBuilder[UnifiedConfig]):
+    """The pools of ``unified``: each component may ask for its own allocator or request table
+    (``TreeComponent.build_allocator`` / ``build_req_to_token_pool``); the last one asked wins."""
+
+    def _components(self, config: UnifiedConfig) -> list[tuple[type[TreeComponent], Any]]:
+        out = []
+        for name in config.components:
             cls = get_component(name).factory
             if isinstance(cls, type) and issubclass(cls, TreeComponent):
-                made = getattr(cls, what)(self, self._component_options.get(name))
-                if made is not None:
-                    built = made
-        return built
+                out.append((cls, config.component_options(name)))
+        return out
 
-    def build_allocator(self):
-        return self._build("build_allocator") or super().build_allocator()
+    def allocator(self, config: UnifiedConfig, at: Placement) -> TokenAllocator:
+        built = [cls.build_allocator(config, opts, at) for cls, opts in self._components(config)]
+        mine = [b for b in built if b is not None]
+        return mine[-1] if mine else super().allocator(config, at)
 
-    def build_req_to_token_pool(self):
-        return self._build("build_req_to_token_pool") or super().build_req_to_token_pool()
+    def req_to_token_pool(self, config: UnifiedConfig, at: Placement) -> ReqToTokenPool:
+        built = [cls.build_req_to_token_pool(config, opts, at) for cls, opts in self._components(config)]
+        mine = [b for b in built if b is not None]
+        return mine[-1] if mine else super().req_to_token_pool(config, at)
 
 
 class UnifiedSWAConfig(UnifiedConfig):

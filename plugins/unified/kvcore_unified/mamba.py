@@ -36,6 +36,7 @@ from kvcore.pools.views import PoolView
 from kvcore_unified.components import LRUValueComponent
 
 if TYPE_CHECKING:
+    from kvcore.pool_builder import Placement
     from kvcore.record import Req, ReqKvInfo
     from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
 
@@ -65,10 +66,10 @@ class MambaComponent(LRUValueComponent):
         opts.check_state_options(config.page_size)
 
     @staticmethod
-    def build_req_to_token_pool(config: Any, opts: MambaOptions) -> Any:
+    def build_req_to_token_pool(config: Any, opts: MambaOptions, at: Placement) -> Any:
         return opts.build_hybrid_req_to_token_pool(max_num_reqs=config.max_num_reqs,
                                                    max_context_len=config.max_context_len,
-                                                   page_size=config.page_size, device=config.torch_device())
+                                                   page_size=config.page_size, device=at.torch_device)
 
     def __init__(self, cache: Any, options: BaseModel | None) -> None:
         super().__init__(cache, options)
@@ -150,12 +151,11 @@ class MambaComponent(LRUValueComponent):
             if req is None:
                 raise ValueError("match_prefix(cow_mamba=True) needs the request (req=...)")
             comp = mamba_state_of(req.kv, create=True)
-            held = comp.mamba_pool_idx if comp is not None else None
-            if held is not None:
+            if comp is not None and comp.holds_mamba:
                 # Its running state would be overwritten by the copy (as the mamba backend refuses).
                 raise ValueError(
                     f"match_prefix(cow_mamba=True): request {req.rid!r} already holds state slot "
-                    f"{int(held)}; free it first (nothing was changed)")
+                    f"{comp.mamba_pool_idx!r}; free it first (nothing was changed)")
         best = result.last_device_node
         if comp is not None:
             comp.mamba_branching_seqlen = branching

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvcore import hookimpl
 from kvcore_unified.components import FullComponent, SWAComponent, SWAOptions
-from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedSWAConfig
+from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedPools, UnifiedSWAConfig
 from kvcore_unified.mamba import MambaComponent, MambaOptions
 from kvcore_unified.tree import UnifiedRadixCache
 
@@ -15,6 +15,7 @@ def kvcore_register_backends(register):
         "unified",
         UnifiedRadixCache,
         config=UnifiedConfig,
+        pools=UnifiedPools(),
         description=(
             "One radix tree with pluggable components (full, swa, mamba, a plugin's): shared eviction "
             "quota, cascade by priority (SGLang UnifiedRadixCache)"
@@ -24,6 +25,7 @@ def kvcore_register_backends(register):
         "unified-swa",
         UnifiedRadixCache,
         config=UnifiedSWAConfig,
+        pools=UnifiedPools(),
         description="unified with components (full, swa) by default (its window options declared for the bench)",
         reference="swa",
     )
@@ -31,6 +33,7 @@ def kvcore_register_backends(register):
         "unified-mamba",
         UnifiedRadixCache,
         config=UnifiedMambaConfig,
+        pools=UnifiedPools(),
         description="unified with components (full, mamba) by default",
         reference="mamba",
     )

@@ -1,0 +1,142 @@
+"""Ownership claims: which slots of a pool a cache (its tree nodes) owns.
+
+A tree backend under ``strict`` claims the slots it keeps (``check_claimable(...,
+commit=True)``) and disowns them before freeing them, so a slot can never be owned
+by two nodes, nor kept while free.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn, Protocol
+
+import torch
+
+from kvcore.pools.array_ops import Array
+from kvcore.pools.free_pages import FreePageRing
+
+__all__ = ["SlotClaims", "SlotOwnership"]
+
+
+class SlotClaims(Protocol):
+    """Which slots a cache (its tree nodes) owns: what a tree backend calls under ``strict``.
+
+    ``TokenToKVPoolAllocator`` and ``SWATokenToKVPoolAllocator`` (full-side ids) implement it.
+    """
+
+    def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None: ...
+
+    def claim(self, slots: torch.Tensor, *, checked: bool = True) -> None: ...
+
+    def disown(self, slots: torch.Tensor) -> None: ...
+
+    def claimed_slots(self) -> torch.Tensor: ...
+
+
+class SlotOwnership:
+    """The owner map of one pool (per slot: non-zero when claimed), made on first use.
+
+    Works on native int64 slot arrays of ``pages.ops``' form; the allocator converts.
+    """
+
+    def __init__(self, pages: FreePageRing, device: str | torch.device) -> None:
+        self.pages = pages
+        self.device = device
+        self._owned_tensor: torch.Tensor | None = None
+        self._owned: Array = None  # the native view of the owner map, once made
+
+    def owner_map(self) -> torch.Tensor:
+        """The owner map as a tensor (padding page 1, a claimed slot non-zero); made on first call."""
+        if self._owned_tensor is None:
+            p = self.pages.page_size
+            t = self._owned_tensor = torch.zeros(self.pages.size + p, dtype=torch.int32, device=self.device)
+            t[:p] = 1  # the padding page: never claimable
+            self._owned = self.pages.ops.view(t)
+        return self._owned_tensor
+
+    def clear(self) -> None:
+        if self._owned is not None:
+            self._owned[:] = 0
+            self._owned[: self.pages.page_size] = 1
+
+    def check_claimable(self, s: Array, *, commit: bool, what: str) -> None:
+        """Raise ValueError, changing nothing, unless every slot may become a cache's own.
+
+        A claimable slot is in range (not padding), handed out (not in the free
+        list), named once, and not already claimed.  One range check, a gather of
+        the owner and free maps (both must be all zero), then the slots are stamped
+        1, 2, 3, ... in the owner map and read back: a slot named twice holds one
+        stamp for two positions.  With ``commit`` the stamps stay (the slots are claimed).
+        """
+        k = len(s)
+        if k == 0:
+            return
+        if self._owned is None:
+            self.owner_map()
+        owned = self._owned
+        ops = self.pages.ops
+        if k > len(owned) or ops.any_outside(s, 0, len(owned)):
+            self._raise_unclaimable(s, what)
+        if ops.count_nonzero(owned[s]) or ops.count_nonzero(self.pages.free[self.pages.page_ids(s)]):
+            self._raise_unclaimable(s, what)
+        if not ops.stamp(owned, s):
+            owned[s] = 0
+            self._raise_unclaimable(s, what)
+        if not commit:
+            owned[s] = 0
+
+    def _raise_unclaimable(self, s: Array, what: str) -> NoReturn:
+        p = self.pages.page_size
+        n = self.pages.size
+        lo, hi = int(s.min()), int(s.max())
+        if lo < p or hi >= n + p:
+            bad = lo if lo < p else hi
+            kind = "the padding page" if 0 <= bad < p else "out of range"
+            raise ValueError(f"{what}: slot {bad} is {kind}: valid slots are [{p}, {n + p})")
+        free = self.pages.free[self.pages.page_ids(s)] != 0
+        if bool(free.any()):
+            raise ValueError(f"{what}: slot {int(s[free][0])} is free (not allocated): a cache may only keep "
+                             "slots a request holds")
+        taken = self._owned[s] != 0
+        if bool(taken.any()):
+            raise ValueError(f"{what}: slot {int(s[taken][0])} is already owned by another tree node")
+        q = self.pages.ops.sort(s)
+        raise ValueError(f"{what}: slot {int(q[1:][q[1:] == q[:-1]][0])} appears twice in one value")
+
+    def check_unclaimed(self, s: Array) -> None:
+        """ValueError unless no slot of ``s`` (non-empty) is claimed: a cache's slot is freed only
+        after the cache disowns it, so a free cannot take back what a tree node still holds.
+        Out-of-range ids are left to the free's own range check."""
+        owned = self._owned
+        if owned is None:
+            return  # nothing was ever claimed (``strict=False``, or no tree on this pool)
+        ops = self.pages.ops
+        p = self.pages.page_size
+        if ops.any_outside(s, p, len(owned)):
+            s = s[(s >= p) & (s < len(owned))]
+        taken = owned[s] != 0
+        if bool(taken.any()):
+            raise ValueError(f"slot {int(s[taken][0])} is owned by a tree node of the cache: "
+                             "the cache disowns a slot before it is freed (use after free)")
+
+    def claim_unchecked(self, s: Array) -> None:
+        if len(s):
+            if self._owned is None:
+                self.owner_map()
+            self._owned[s] = 1
+
+    def disown(self, s: Array) -> None:
+        """Give up ``s``; ids outside the pool are ignored."""
+        owned = self._owned
+        if owned is None or len(s) == 0:
+            return
+        p = self.pages.page_size
+        if self.pages.ops.any_outside(s, p, len(owned)):
+            s = s[(s >= p) & (s < len(owned))]
+        owned[s] = 0
+
+    def claimed(self) -> Array:
+        """Every claimed slot, ascending (None before the first claim)."""
+        if self._owned is None:
+            return None
+        p = self.pages.page_size
+        return self.pages.ops.nonzero(self._owned[p:]) + p

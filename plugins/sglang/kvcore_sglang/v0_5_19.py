@@ -1,0 +1,579 @@
+"""SGLang 0.5.19's tree-cache contract, met by kvcore backends built on SGLang's own pools.
+
+Everything that names an SGLang 0.5.19 class or field lives here; another SGLang
+version gets a module of its own beside this one.
+
+Three layers:
+
+* pool views (:class:`AllocatorView`, :class:`ReqToTokenPoolView`): kvcore's
+  pool protocol over SGLang's allocator and ``ReqToTokenPool`` objects.  They hold
+  no state of their own: every alloc and free is SGLang's own call, so the free
+  lists the model runner's kernels read are the ones kvcore's backend changes.
+* record views (:class:`KvRecordView`, :class:`ReqView`): SGLang's ``Req`` and
+  ``ReqKvInfo`` as kvcore's release and tree code reads them (``is_held`` for
+  ``holds_kv``, the committed length SGLang hands over, ...), writing through.
+* :class:`KvcoreTreeCache`: SGLang's ``BasePrefixCache`` over one kvcore backend,
+  translating SGLang's params and results, lock results and KV events.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from array import array
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-found,unused-ignore]
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.common import free_kv_row_segments  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.events import KVCacheEventRecorder  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # type: ignore[import-not-found,unused-ignore]
+
+import kvcore
+from kvcore.config import CacheInitParams
+from kvcore.factory import attach_lifecycle
+from kvcore.plugins import get_backend, get_plugin_manager
+from kvcore.pools.views import PoolView
+from kvcore.tree.events import AllPagesCleared, PageRemoved, PageStored
+from kvcore_sglang.config import Target
+
+__all__ = [
+    "AllocatorView",
+    "KvRecordView",
+    "KvcoreTreeCache",
+    "ReqToTokenPoolView",
+    "ReqView",
+    "UnsupportedContext",
+    "build_tree_cache",
+    "owner_of",
+]
+
+SGLANG_VERSION = "0.5.19"
+
+
+class UnsupportedContext(kvcore.KvcoreError, ValueError):
+    """SGLang asked a kvcore name for a tree cache it cannot serve (the message says what to change)."""
+
+
+# ---------------------------------------------------------------------------- pool views
+
+
+class AllocatorView:
+    """kvcore's ``TokenAllocator`` over one of SGLang's single-pool allocators.
+
+    ``TokenToKVPoolAllocator`` (page 1: its free list holds slots) and
+    ``PagedTokenToKVPoolAllocator`` (its free list holds pages).  Frees go to
+    SGLang's own ``free`` / ``free_segment(s)`` and ``free_kv_row_segments``, so the
+    free-list order is SGLang's.
+    """
+
+    def __init__(self, allocator: Any):
+        self.sglang = allocator
+        self.page_size = int(allocator.page_size)
+        self.device = allocator.device
+        self.num_pages = int(allocator.size) // self.page_size
+
+    def available_size(self) -> int:
+        return int(self.sglang.available_size())
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot, in the order SGLang hands them out (``free_pages``, then ``release_pages``)."""
+        a = self.sglang
+        ids = torch.cat((a.free_pages, a.release_pages)).to(torch.int64).cpu()
+        if self.page_size == 1:
+            return ids
+        return (ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self.sglang.alloc(need_size)
+
+    def alloc_extend(self, *args: Any) -> torch.Tensor | None:
+        return self.sglang.alloc_extend(*args)
+
+    def alloc_decode(self, *args: Any) -> torch.Tensor | None:
+        return self.sglang.alloc_decode(*args)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.sglang.free(free_index)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
+        self.sglang.free_segment(free_index, start_pos=start_pos)
+
+    def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
+        self.sglang.free_segments(list(segments))
+
+    def free_row_segments(
+        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
+    ) -> None:
+        # SGLang's own row release: split at the window floor, then free_full / free_segments.
+        free_kv_row_segments(self.sglang, list(segments), swa_evicted_seqlen=swa_evicted_seqlen)
+
+    def free_group_begin(self) -> None:
+        self.sglang.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.sglang.free_group_end()
+
+    def pool_views(self) -> list[PoolView]:
+        return [PoolView("full", self)]
+
+
+class ReqToTokenPoolView:
+    """kvcore's req_to_token pool protocol over SGLang's ``ReqToTokenPool`` (rows 1..size; row 0 is padding)."""
+
+    def __init__(self, pool: Any):
+        self.sglang = pool
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.sglang.req_to_token
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.sglang.max_context_len)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.sglang.size)
+
+    @property
+    def device(self) -> Any:
+        return self.sglang.device
+
+    def available_size(self) -> int:
+        return int(self.sglang.available_size())
+
+    def free_rows(self) -> list[int]:
+        return list(self.sglang.free_slots)
+
+
+# ---------------------------------------------------------------------------- record views
+
+
+class KvRecordView:
+    """SGLang's ``ReqKvInfo`` under kvcore's names, writing through.
+
+    ``committed`` overrides ``kv_committed_len`` for one call: SGLang hands
+    ``cache_finished_req`` the length to cache (``kv_len_to_handle``, which
+    ``strip_thinking_cache`` shortens) and caches ``len(fill_ids)`` in
+    ``cache_unfinished_req``; kvcore's backends read it from the record.
+    """
+
+    __slots__ = ("sglang", "_committed")
+
+    def __init__(self, kv: Any, committed: int | None = None):
+        self.sglang = kv
+        self._committed = committed
+
+    @property
+    def req_pool_idx(self) -> int | None:
+        return self.sglang.req_pool_idx
+
+    @req_pool_idx.setter
+    def req_pool_idx(self, value: int | None) -> None:
+        self.sglang.req_pool_idx = value
+
+    @property
+    def cache_protected_len(self) -> int:
+        return int(self.sglang.cache_protected_len)
+
+    @cache_protected_len.setter
+    def cache_protected_len(self, value: int) -> None:
+        self.sglang.cache_protected_len = value
+
+    @property
+    def kv_committed_len(self) -> int:
+        return int(self.sglang.kv_committed_len) if self._committed is None else self._committed
+
+    @property
+    def kv_allocated_len(self) -> int:
+        return int(self.sglang.kv_allocated_len)
+
+    @property
+    def swa_evict_floor(self) -> int:
+        return int(self.sglang.swa_evict_floor)
+
+    @property
+    def swa_evicted_seqlen(self) -> int:
+        return int(self.sglang.swa_evicted_seqlen)
+
+    @swa_evicted_seqlen.setter
+    def swa_evicted_seqlen(self, value: int) -> None:
+        self.sglang.swa_evicted_seqlen = value
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        return int(self.sglang.swa_dead_lo(page_size))
+
+    @property
+    def is_held(self) -> bool:
+        return bool(self.sglang.holds_kv)
+
+    @property
+    def is_released(self) -> bool:
+        return bool(self.sglang.is_kv_released)
+
+    def mark_released(self) -> None:
+        self.sglang.mark_kv_released()
+
+
+def namespace(extra_key: str | None, cache_salt: str | None) -> Any:
+    """kvcore's ``extra_key`` for SGLang's pair: keys differing in either never share a prefix (SGLang's child_key)."""
+    return extra_key if cache_salt is None else (extra_key, cache_salt)
+
+
+class ReqView:
+    """SGLang's ``Req`` as kvcore's tree code reads it, writing ``last_node`` and ``prefix_indices`` through.
+
+    ``fill_ids`` are the tokens SGLang caches in this call.  kvcore keeps the lock
+    object of a request (``lock``) in the cache's table, not on SGLang's ``Req``.
+    """
+
+    __slots__ = ("sglang", "kv", "fill_ids", "_locks")
+
+    def __init__(self, req: Any, fill_ids: Any, committed: int, locks: weakref.WeakKeyDictionary):
+        self.sglang = req
+        self.kv = KvRecordView(req.kv, committed)
+        self.fill_ids = fill_ids.tolist() if isinstance(fill_ids, array) else list(fill_ids)
+        self._locks = locks
+
+    @property
+    def rid(self) -> str:
+        return self.sglang.rid
+
+    @property
+    def extra_key(self) -> Any:
+        return namespace(self.sglang.extra_key, self.sglang.cache_salt)
+
+    @property
+    def priority(self) -> int:
+        return int(self.sglang.priority or 0)
+
+    @property
+    def last_node(self) -> Any:
+        return self.sglang.last_node
+
+    @last_node.setter
+    def last_node(self, node: Any) -> None:
+        self.sglang.last_node = node
+
+    @property
+    def lock(self) -> Any:
+        return self._locks.get(self.sglang)
+
+    @lock.setter
+    def lock(self, lock: Any) -> None:
+        if lock is None:
+            self._locks.pop(self.sglang, None)
+        else:
+            self._locks[self.sglang] = lock
+
+    @property
+    def prefix_indices(self) -> torch.Tensor:
+        return self.sglang.prefix_indices
+
+    @prefix_indices.setter
+    def prefix_indices(self, value: torch.Tensor) -> None:
+        self.sglang.prefix_indices = value
+
+
+class _Owner:
+    """A running SGLang request as :class:`kvcore.InvariantChecker` names and reads it."""
+
+    __slots__ = ("rid", "kv")
+
+    def __init__(self, req: Any):
+        self.rid = req.rid
+        self.kv = KvRecordView(req.kv)
+
+
+def owner_of(req: Any) -> Any:
+    """``req`` (SGLang's) as an owner for ``kvcore.InvariantChecker(cache.kvcore_cache).check(owners=...)``."""
+    return _Owner(req)
+
+
+# ---------------------------------------------------------------------------- KV events
+
+
+class _EventTranslator:
+    """kvcore's page events as SGLang's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.
+
+    SGLang's block hashes chain SGLang's own page hash (``get_hash_str``) and ignore
+    ``extra_key``; kvcore's chain covers the namespace too.  So each kvcore page hash
+    is mapped to the SGLang hash of the same page (chained on its parent's), and the
+    events go through SGLang's own recorder, which coalesces them as SGLang does.
+    """
+
+    def __init__(self, page_size: int):
+        self.recorder = KVCacheEventRecorder(enabled=True, page_size=page_size)
+        self._sglang_hash: dict[str, str] = {}
+
+    def feed(self, events: list) -> None:
+        for ev in events:
+            if isinstance(ev, PageStored):
+                parent = None if ev.parent_hash is None else self._sglang_hash[ev.parent_hash]
+                h = get_hash_str(list(ev.token_ids), parent)
+                self._sglang_hash[ev.page_hash] = h
+                self.recorder.enqueue(BlockStored(
+                    block_hashes=[hash_str_to_int64(h)],
+                    parent_block_hash=None if parent is None else hash_str_to_int64(parent),
+                    token_ids=list(ev.token_ids),
+                    block_size=len(ev.token_ids),
+                    lora_id=None,
+                    medium=StorageMedium.GPU,
+                ))
+            elif isinstance(ev, PageRemoved):
+                h = self._sglang_hash.pop(ev.page_hash)
+                self.recorder.enqueue(BlockRemoved(block_hashes=[hash_str_to_int64(h)], medium=StorageMedium.GPU))
+            elif isinstance(ev, AllPagesCleared):
+                self._sglang_hash.clear()
+                self.recorder.record_all_cleared()
+            else:
+                raise TypeError(f"kvcore event {ev!r} has no SGLang {SGLANG_VERSION} counterpart")
+
+    def take(self) -> list:
+        return self.recorder.take()
+
+
+# ---------------------------------------------------------------------------- the tree cache
+
+
+class KvcoreTreeCache(BasePrefixCache):
+    """SGLang 0.5.19's ``BasePrefixCache`` answered by one kvcore backend (``kvcore_cache``) on SGLang's pools.
+
+    ``req_to_token_pool`` and ``token_to_kv_pool_allocator`` are SGLang's own
+    objects (the scheduler and SGLang's ``common.py`` use them); the kvcore
+    backend runs on views of the same objects.
+    """
+
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
+        self.target = target
+        # SGLang's UnifiedRadixCache, disabled, calls itself a chunk cache (its RadixCache does not).
+        self._chunk_when_disabled = chunk_when_disabled
+        self.kvcore_cache = kvcore_cache
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = int(params.page_size)
+        self.disable_finished_insert = bool(params.disable_finished_insert)
+        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._events = _EventTranslator(self.page_size) if params.enable_kv_cache_events else None
+        if self._events is not None:
+            # SGLang's RadixCache records a clear when it builds its (empty) tree.
+            self._events.recorder.record_all_cleared()
+        if params.enable_metrics:
+            self.init_metrics_collector()
+
+    def __repr__(self) -> str:
+        return f"<KvcoreTreeCache {self.target.name} on kvcore {type(self.kvcore_cache).__name__}>"
+
+    # -- traits
+    @property
+    def disable(self) -> bool:
+        return bool(self.kvcore_cache.disable)
+
+    @property
+    def root_node(self) -> Any:
+        return self.kvcore_cache.root_node
+
+    def is_chunk_cache(self) -> bool:
+        return bool(self.kvcore_cache.is_chunk_cache()) or (self._chunk_when_disabled and self.disable)
+
+    # -- lookups
+    def _key(self, key: Any) -> kvcore.RadixKey:
+        if key.is_bigram:
+            raise UnsupportedContext(f"{self.target.name}: EAGLE bigram keys are not supported by kvcore")
+        return kvcore.RadixKey(key.raw_token_ids(), namespace(key.extra_key, key.cache_salt))
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        found = self.kvcore_cache.match_prefix(self._key(params.key))
+        node = found.last_device_node
+        return MatchResult(device_indices=found.device_indices, last_device_node=node, last_host_node=node,
+                           best_match_node=node)
+
+    def reset(self) -> None:
+        self.kvcore_cache.reset()
+        self._flush_events()
+
+    # -- request lifecycle (through the kvcore cache's hook relay, so extension plugins see them)
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"{self.target.name}: cache_finished_req got unknown arguments {sorted(kwargs)}")
+        if self.disable_finished_insert:
+            is_insert = False
+        fill_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+        view = ReqView(req, fill_ids, kv_len_to_handle, self._locks)
+        self.kvcore_cache.hook.cache_finished_req(req=view, is_insert=is_insert)
+        self._flush_events()
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"{self.target.name}: cache_unfinished_req got unknown arguments {sorted(kwargs)}")
+        if self.is_chunk_cache():
+            # SGLang's ChunkCache keeps the row up to the chunk's end as the prefix.
+            fill_ids: Any = ()
+            committed = req.extend_range.end
+        else:
+            fill_ids = req.get_fill_ids()
+            committed = len(fill_ids)
+        view = ReqView(req, fill_ids, committed, self._locks)
+        self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
+        self._flush_events()
+
+    # -- eviction and locks
+    def evict(self, params: EvictParams) -> EvictResult:
+        start = time.perf_counter()
+        done = self.kvcore_cache.evict(params.num_tokens)
+        self.update_eviction_metrics(done.num_tokens_evicted, start)
+        self._flush_events()
+        return EvictResult(num_tokens_evicted=done.num_tokens_evicted)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        # SGLang's delta is the change in evictable tokens; kvcore's the change in protected ones.
+        return IncLockRefResult(delta=-self.kvcore_cache.inc_lock_ref(node).delta)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        return DecLockRefResult(delta=-self.kvcore_cache.dec_lock_ref(node).delta)
+
+    # -- sizes
+    def evictable_size(self) -> int:
+        return int(self.kvcore_cache.evictable_size())
+
+    def protected_size(self) -> int:
+        return int(self.kvcore_cache.protected_size())
+
+    def total_size(self) -> int:
+        return int(self.kvcore_cache.total_size())
+
+    def pretty_print(self) -> Any:
+        return self.kvcore_cache.pretty_print()
+
+    # -- KV events
+    def take_events(self) -> list:
+        return [] if self._events is None else self._events.take()
+
+    def _flush_events(self) -> None:
+        if self._events is not None:
+            self._events.feed(self.kvcore_cache.take_events())
+
+
+
+# ---------------------------------------------------------------------------- factories
+
+
+def _refuse(target: Target, ctx: Any) -> None:
+    """One clear error for a context ``target`` cannot serve, before anything is built."""
+    params = ctx.params
+    name = target.name
+    kind = "hybrid-ssm" if ctx.is_hybrid_ssm else "hybrid-swa" if ctx.is_hybrid_swa else "full"
+    problems = []
+    if kind not in target.serves:
+        others = _targets_for(kind)
+        instead = (f"use {' or '.join(others)}" if others else
+                   "no kvcore name serves it yet: leave --radix-cache-backend unset for SGLang's own tree")
+        problems.append(f"this is a {kind} model, which {name} does not serve ({instead})")
+    if ctx.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache is not supported by kvcore (drop it)")
+    if params.is_eagle:
+        problems.append("EAGLE speculative decoding keys the tree by token bigrams, which kvcore does not support")
+    if params.cache_ttl_seconds is not None:
+        problems.append("cache entry TTL (cache_ttl_seconds) is not supported by kvcore")
+    if params.enable_session_radix_cache:
+        problems.append("--enable-session-radix-cache is not supported by kvcore")
+    if getattr(ctx, "is_dsa", False):
+        problems.append("DSA (DeepSeek sparse attention) pools are not supported by kvcore")
+    if params.token_to_kv_pool_allocator is not None and isinstance(
+        params.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator
+    ) and kind == "full":
+        problems.append("a hybrid SWA allocator on a model not marked hybrid SWA")
+    if problems:
+        raise UnsupportedContext(f"--radix-cache-backend {name} (SGLang {SGLANG_VERSION}): " + "; ".join(problems))
+
+
+def _targets_for(kind: str) -> list[str]:
+    from kvcore_sglang.config import TARGETS
+
+    return [t.name for t in TARGETS if kind in t.serves]
+
+
+def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> Any:
+    """Build kvcore backend ``backend`` on views of SGLang's pools, with its lifecycle relay."""
+    spec = get_backend(backend)
+    alloc = params.token_to_kv_pool_allocator
+    r2t = params.req_to_token_pool
+    page_size = int(params.page_size)
+    if alloc is not None:
+        # The config records the pools' shape; the pools themselves are SGLang's.
+        options.setdefault("size", int(alloc.size) // page_size * page_size)
+    if r2t is not None:
+        options.setdefault("max_num_reqs", int(r2t.size))
+        options.setdefault("max_context_len", -(-int(r2t.max_context_len) // page_size) * page_size)
+    try:
+        config = spec.config(page_size=page_size, **options)
+        # SGLang's tree-only RadixCache (its unit tests) has no pools: the radix backend serves it without.
+        init = CacheInitParams(
+            req_to_token_pool=cast(Any, None if r2t is None else ReqToTokenPoolView(r2t)),
+            token_to_kv_pool_allocator=cast(Any, None if alloc is None else AllocatorView(alloc)),
+            page_size=page_size,
+            config=config,
+        )
+        cache = spec.factory(init)
+    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise UnsupportedContext(
+            f"--radix-cache-backend {target.name} (SGLang {SGLANG_VERSION}): kvcore backend {backend!r} "
+            f"refuses SGLang's options: {exc}"
+        ) from None
+    cache.backend_name = backend
+    attach_lifecycle(cache)
+    get_plugin_manager().hook.kvcore_cache_created(cache=cache)
+    return cache
+
+
+def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
+    """The factory behind every kvcore name: refuse what cannot be served, else build on SGLang's pools."""
+    _refuse(target, ctx)
+    params = ctx.params
+    if target.backend == "radix":
+        if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: a HybridReqToTokenPool (mamba states) "
+                                     "needs kvcore-mamba or kvcore-unified")
+        cache = _build_kvcore(
+            target, "radix", params,
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            # SGLang's allocator keeps no record of who owns a slot, so kvcore's strict slot claims
+            # have nothing to record in; key checks stay on.
+            strict=False,
+        )
+    elif target.backend == "unified":
+        # SGLang's default tree; on a full-attention model its one component is full.
+        cache = _build_kvcore(
+            target, "unified", params,
+            components=("full",),
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            strict=False,
+        )
+    elif target.backend == "chunk":
+        if params.token_to_kv_pool_allocator is None:
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")
+        cache = _build_kvcore(target, "chunk", params, strict=False)
+    else:
+        raise UnsupportedContext(
+            f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} "
+            f"cannot build backend {target.backend!r}"
+        )
+    return KvcoreTreeCache(target, cache, params, chunk_when_disabled=target.backend == "unified")

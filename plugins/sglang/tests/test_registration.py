@@ -1,0 +1,141 @@
+"""kvcore-sglang inside real SGLang 0.5.19: the entry point, the registry, create_tree_cache and the refusals.
+
+Nothing is stubbed here: the SGLang objects are SGLang's own, built on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from array import array
+
+import pytest
+import torch
+from kvcore_sglang import TARGETS
+from kvcore_sglang.plugin import KvcoreFactory, register_with_sglang
+from kvcore_sglang.v0_5_19 import KvcoreTreeCache, UnsupportedContext, owner_of
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.registry import (
+    TreeCacheBuildContext,
+    create_tree_cache,
+    get_radix_cache_factory,
+    registered_radix_cache_backends,
+)
+from sglang.srt.plugins import load_plugins
+from sglang.srt.runtime_context import get_context
+
+import kvcore
+
+NAMES = [t.name for t in TARGETS]
+
+
+def make_ctx(server_args, *, page_size=1, size=64, hybrid_ssm=False, hybrid_swa=False, hicache=False, **params):
+    r2t = ReqToTokenPool(4, 32, "cpu", False)
+    alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
+    init = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+                           page_size=page_size, **params)
+    return TreeCacheBuildContext(
+        server_args=server_args, params=init, is_hybrid_swa=hybrid_swa, is_hybrid_ssm=hybrid_ssm,
+        enable_hierarchical_cache=hicache, disable_radix_cache=False, effective_chunked_prefill_size=None,
+        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )
+
+
+def test_load_plugins_registers_every_name_once():
+    load_plugins()
+    for name in NAMES:
+        assert name in registered_radix_cache_backends()
+        assert isinstance(get_radix_cache_factory(name), KvcoreFactory)
+    # load_plugins runs in every process, maybe twice: a second registration must not raise.
+    register_with_sglang()
+    register_with_sglang()
+    assert registered_radix_cache_backends().count("kvcore-radix") == 1
+
+
+def test_create_tree_cache_builds_kvcore_radix_and_sglang_logs_it(caplog):
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+        ctx = make_ctx(server_args)
+        with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
+            cache = create_tree_cache(ctx)
+    assert isinstance(cache, KvcoreTreeCache) and isinstance(cache, BasePrefixCache)
+    assert "source=registered('kvcore-radix')" in caplog.text
+    assert "impl=KvcoreTreeCache" in caplog.text
+    # Built on SGLang's own pools.
+    assert cache.token_to_kv_pool_allocator is ctx.params.token_to_kv_pool_allocator
+    assert cache.req_to_token_pool is ctx.params.req_to_token_pool
+    assert cache.kvcore_cache.token_to_kv_pool_allocator.sglang is ctx.params.token_to_kv_pool_allocator
+    found = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [1, 2, 3]))))
+    assert found.device_indices.numel() == 0 and found.last_device_node is cache.root_node
+    assert cache.evictable_size() == cache.protected_size() == cache.total_size() == 0
+    kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
+
+
+def test_chunk_is_a_chunk_cache():
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-chunk") as server_args:
+        cache = create_tree_cache(make_ctx(server_args))
+    assert cache.is_chunk_cache() and cache.disable
+    assert cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [1, 2])))).last_device_node is None
+    kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
+
+
+@pytest.mark.parametrize(
+    ("name", "ctx_options", "says"),
+    [
+        ("kvcore-radix", {"hybrid_ssm": True}, "hybrid-ssm model, which kvcore-radix does not serve"),
+        ("kvcore-radix", {"hybrid_swa": True}, "hybrid-swa model, which kvcore-radix does not serve"),
+        ("kvcore-chunk", {"hybrid_ssm": True}, "hybrid-ssm model, which kvcore-chunk does not serve"),
+        ("kvcore-radix", {"hicache": True}, "--enable-hierarchical-cache is not supported"),
+        ("kvcore-radix", {"is_eagle": True}, "EAGLE speculative decoding keys the tree by token bigrams"),
+        ("kvcore-radix", {"cache_ttl_seconds": 5.0}, "TTL"),
+        ("kvcore-radix", {"eviction_policy": "nope"}, "unknown eviction policy 'nope'"),
+    ],
+)
+def test_refuses_what_it_cannot_serve_with_one_clear_error(name, ctx_options, says):
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
+        ctx = make_ctx(server_args, **ctx_options)
+        with pytest.raises(UnsupportedContext, match=says) as err:
+            create_tree_cache(ctx)
+    assert str(err.value).startswith(f"--radix-cache-backend {name} (SGLang 0.5.19): ")
+    # Nothing was taken from SGLang's pools.
+    assert ctx.params.token_to_kv_pool_allocator.available_size() == 64
+
+
+def test_registration_imports_nothing_heavy():
+    """SGLang's load_plugins runs before any tree cache exists: registering must not import kvcore or a backend."""
+    code = (
+        "import sys\n"
+        "from kvcore_sglang.plugin import register_with_sglang\n"
+        "register_with_sglang()\n"
+        "heavy = [m for m in ('kvcore', 'kvcore_radix', 'kvcore_swa', 'kvcore_mamba', 'kvcore_unified',"
+        " 'kvcore_sglang.v0_5_19') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_owner_of_reads_sglang_records_under_kvcore_names():
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("r", "", array("q", [5, 6]), SamplingParams())
+    owner = owner_of(req)
+    assert owner.rid == "r" and not owner.kv.is_held and owner.kv.is_released
+    req.kv.req_pool_idx = 3
+    assert owner.kv.is_held and owner.kv.req_pool_idx == 3
+
+
+def test_metrics_collector_is_sglangs():
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+        cache = create_tree_cache(make_ctx(server_args, enable_metrics=True))
+    assert cache.metrics_collector is not None
+    assert type(cache.metrics_collector).__module__.startswith("sglang.")

@@ -1,0 +1,102 @@
+"""The conformance kit as an author runs it: its fuzz test finds what `kvcore fuzz` finds, and pytest
+rewrites its asserts (the pytest11 entry point), so a failure shows its values."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+
+import kvcore
+from kvcore.plugins import BACKENDS, get_backend, get_plugin_manager
+from kvcore.testing import PrefixCacheConformance
+
+
+def test_the_kit_is_registered_for_assertion_rewriting():
+    (ep,) = [e for e in metadata.entry_points(group="pytest11") if e.name == "kvcore"]
+    assert ep.value == "kvcore.pytest_plugin"
+    import kvcore.testing.conformance as conformance
+    import kvcore.testing.helpers as helpers
+
+    # pytest's rewriter puts its helper module into every module it rewrites.
+    assert "@pytest_ar" in vars(conformance) and "@pytest_ar" in vars(helpers)
+
+
+def test_a_kit_assertion_shows_its_values():
+    """A failing kit test says what it compared, not a bare AssertionError."""
+    cache = kvcore.create_cache("chunk", size=16, max_num_reqs=2, max_context_len=16)
+    with pytest.raises(AssertionError) as err:
+        PrefixCacheConformance().test_pools_exposed(lambda: cache, 16)
+    assert "assert 1 == 16" in str(err.value)
+    kvcore.InvariantChecker(cache).check([])
+
+
+def _register(name, cls):
+    class Plugin:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(name, cls, config=get_backend("radix").config)
+
+    get_plugin_manager().register(Plugin(), name=f"{name}-plugin")
+    BACKENDS.reset()
+
+
+@pytest.fixture
+def radix_class():
+    """kvcore-radix's class, through the registry, to make buggy backends from; they are unregistered after."""
+    if "radix" not in BACKENDS.all():
+        pytest.skip("kvcore-radix is not installed")
+    names: list[str] = []
+    yield get_backend("radix").factory, names
+    for name in names:
+        get_plugin_manager().unregister(name=f"{name}-plugin")
+    BACKENDS.reset()
+
+
+def _kit_fuzz_failure(name: str) -> str:
+    class TestIt(PrefixCacheConformance):
+        backend = name
+
+    with pytest.raises(pytest.fail.Exception) as err:
+        TestIt().test_fuzz(page_size=1)
+    return str(err.value)
+
+
+def test_the_kits_fuzz_test_finds_an_unclean_error(radix_class):
+    base, names = radix_class
+
+    class Careless(base):  # type: ignore[misc, valid-type]
+        def dec_lock_ref(self, node, lock=None):
+            if node.lock_ref <= 0:  # AttributeError on a foreign object: the bug the fuzz finds
+                raise ValueError("not locked")
+            return super().dec_lock_ref(node, lock)
+
+    _register("careless", Careless)
+    names.append("careless")
+    message = _kit_fuzz_failure("careless")
+    assert "fuzz failure: backend careless, seed 0" in message
+    assert "bad input 'dec_lock_ref foreign node' raised AttributeError" in message
+    assert "replay: kvcore fuzz --backend careless" in message
+
+
+def test_the_kits_fuzz_test_finds_ignored_slot_claims(radix_class):
+    base, names = radix_class
+
+    class Trusting(base):  # type: ignore[misc, valid-type]
+        def __init__(self, params):
+            super().__init__(params)
+            self.strict = False  # the bug: strict slot claims ignored whatever the option says
+
+    _register("trusting", Trusting)
+    names.append("trusting")
+    message = _kit_fuzz_failure("trusting")
+    assert "fuzz failure: backend trusting" in message
+    assert "' was accepted" in message, message  # a slot claim the tree should have refused
+
+
+def test_the_kits_fuzz_test_passes_a_sound_backend():
+    class TestChunk(PrefixCacheConformance):
+        backend = "chunk"
+        fuzz_ops = 500
+
+    TestChunk().test_fuzz(page_size=1)
