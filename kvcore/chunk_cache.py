@@ -12,6 +12,7 @@ from kvcore.tree.checks import check_evict_count
 
 if TYPE_CHECKING:
     from kvcore.config import CacheInitParams
+    from kvcore.keys import KeyLike
     from kvcore.record import Req
 
 __all__ = ["ChunkCache"]
@@ -41,11 +42,11 @@ class ChunkCache(BasePrefixCache):
     # Nothing is ever cached (SGLang's ChunkCache answers disable=True too).
     disable = True
 
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key: KeyLike) -> MatchResult:
         as_radix_key(key)
         return MatchResult(device_indices=self._empty, last_device_node=None, best_match_node=None)
 
-    def insert(self, key, value: torch.Tensor | None = None) -> InsertResult:
+    def insert(self, key: KeyLike, value: torch.Tensor | None = None) -> InsertResult:
         key = as_radix_key(key)
         if value is not None and len(value) != len(key):
             raise ValueError(f"value has {len(value)} slots but the key has {len(key)} tokens")

@@ -157,6 +157,9 @@ from kvcore.session import StreamingSession
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache, EvictResult, LockResult, MatchResult
+    from kvcore.invariants import PoolReport
+    from kvcore.pools.req_to_token import ReqToTokenPool
+    from kvcore.pools.views import TokenAllocator
 
 __all__ = ["Engine", "Match"]
 
@@ -252,11 +255,11 @@ class Engine:
         return self._page
 
     @property
-    def req_to_token_pool(self):
+    def req_to_token_pool(self) -> ReqToTokenPool:
         return self._r2t
 
     @property
-    def allocator(self):
+    def allocator(self) -> TokenAllocator:
         return self._alloc
 
     @property
@@ -264,7 +267,7 @@ class Engine:
         """The StreamingSession the engine runs on, or None."""
         return self._sessions
 
-    def check(self, owners: Iterable[Any] = ()) -> list:
+    def check(self, owners: Iterable[Any] = ()) -> list[PoolReport]:
         """``kvcore.InvariantChecker(cache).check(owners)``: the requests alive now."""
         from kvcore.invariants import InvariantChecker
 
@@ -321,12 +324,14 @@ class Engine:
             self.session_releases += 1
         return s.release_session(session_id)
 
-    def _retry(self, attempt: Callable[[], Any], need: int | Callable[[], int], keep: str | None) -> Any:
+    def _retry(
+        self, attempt: Callable[[], torch.Tensor | None], need: int | Callable[[], int], keep: str | None
+    ) -> torch.Tensor | None:
         """After ``attempt()`` failed once: make room for ``need``, then release idle sessions one by one.
 
         Only the short path comes here, so the common path pays no closure or call.
         """
-        got = None
+        got: torch.Tensor | None = None
         n = need if isinstance(need, int) else need()
         if n > 0:
             self._make_room(n)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -160,7 +160,7 @@ class RadixKey:
         ids = self._ids
         return len(self._src if ids is None else ids)  # type: ignore[arg-type]
 
-    def __getitem__(self, item) -> RadixKey:
+    def __getitem__(self, item: SupportsIndex | slice) -> RadixKey:
         if not isinstance(item, slice):
             n = len(self)
             i = item.__index__()
@@ -176,10 +176,10 @@ class RadixKey:
         part.validated = self.validated
         return part
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self.token_ids)
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, RadixKey)
             and self.extra_key == other.extra_key

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kvcore.cache import BasePrefixCache
+    from kvcore.cache import BasePrefixCache, LockResult
+    from kvcore.pools.req_to_token import ReqToTokenPool
 
 __all__ = ["ReqKvInfo", "Req", "RetractionBackup", "ceil_align", "floor_align"]
 
@@ -44,7 +45,7 @@ class RetractionBackup:
     """
 
     num_tokens: int
-    cpu_tensors: Any = None
+    cpu_tensors: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     state: Any = None
 
     @property
@@ -155,8 +156,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKvInfo = field(default_factory=ReqKvInfo)
     prefix_indices: torch.Tensor = field(default_factory=lambda: _EMPTY_INDICES)
-    last_node: Any = None
-    lock: Any = None
+    last_node: Any = None  # a node of the backend's tree (None until matched)
+    lock: LockResult | None = None
     extra_key: str | None = None
     session_id: str | None = None
     # Feeds the ``priority`` eviction policy: what this request inserts is kept longer.
@@ -219,7 +220,7 @@ class Req:
         kv.components.clear()
         self.is_retracted = True
 
-    def _backup_positions(self, req_to_token_pool: Any, what: str) -> torch.Tensor:
+    def _backup_positions(self, req_to_token_pool: ReqToTokenPool, what: str) -> torch.Tensor:
         kv = self.kv
         if not kv.is_held:
             raise ValueError(f"{what}: request {self.rid!r} holds no req_to_token row")
@@ -231,7 +232,8 @@ class Req:
         return req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
 
     def offload_kv_cache(
-        self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, *, cache: BasePrefixCache | None = None
+        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: object, *,
+        cache: BasePrefixCache | None = None
     ) -> RetractionBackup:
         """Copy the K/V of row positions ``[0, seqlen - 1)`` (and the cache's per-request state) to the host.
 
@@ -260,7 +262,8 @@ class Req:
         return backup
 
     def load_kv_cache(
-        self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, *, cache: BasePrefixCache | None = None
+        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: object, *,
+        cache: BasePrefixCache | None = None
     ) -> RetractionBackup:
         """Write ``kv.retraction_backup`` back into the request's (new) row slots and drop it.
 

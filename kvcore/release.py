@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -11,6 +11,7 @@ from kvcore.record import ceil_align, floor_align
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache
+    from kvcore.pools.req_to_token import ReqToTokenPool
     from kvcore.record import Req, ReqKvInfo
 
 __all__ = [
@@ -19,6 +20,12 @@ __all__ = [
     "free_swa_out_of_window_slots",
     "free_swa_out_of_window_slots_batch",
 ]
+
+
+class WindowSlotFreer(Protocol):
+    """An allocator with a separate window (SWA) pool: the pooled and the pure SWA allocators."""
+
+    def free_swa(self, free_index: torch.Tensor) -> None: ...
 
 
 def _check_released_iff_not_held(req: Req, when: str) -> None:
@@ -95,7 +102,7 @@ def cache_unfinished_req(req: Req, cache: BasePrefixCache, chunked: bool = False
         hook.cache_unfinished_req(req=req, chunked=chunked)
 
 
-def _check_window_request(req: Req, pre_len: int, page_size: int, req_to_token_pool) -> None:
+def _check_window_request(req: Req, pre_len: int, page_size: int, req_to_token_pool: ReqToTokenPool) -> None:
     """Refuse a window free the record or ``pre_len`` cannot support, before any cursor moves."""
     kv = req.kv
     if not req_to_token_pool.holds(kv):
@@ -141,8 +148,8 @@ def free_swa_out_of_window_slots(
     *,
     sliding_window_size: int,
     page_size: int,
-    req_to_token_pool,
-    token_to_kv_pool_allocator,
+    req_to_token_pool: ReqToTokenPool,
+    token_to_kv_pool_allocator: WindowSlotFreer,
     is_chunk_cache: bool = False,
     retain_floor: int | None = None,
 ) -> None:
@@ -169,8 +176,8 @@ def free_swa_out_of_window_slots_batch(
     *,
     sliding_window_size: int,
     page_size: int,
-    req_to_token_pool,
-    token_to_kv_pool_allocator,
+    req_to_token_pool: ReqToTokenPool,
+    token_to_kv_pool_allocator: WindowSlotFreer,
     is_chunk_cache: bool = False,
     retain_floors: Sequence[int | None] | None = None,
 ) -> int:

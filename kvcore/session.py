@@ -31,6 +31,7 @@ from kvcore.release import cache_unfinished_req as _dispatch_unfinished
 from kvcore.release import release_kv_cache
 
 if TYPE_CHECKING:
+    from kvcore.keys import KeyLike
     from kvcore.record import Req
 
 __all__ = ["SessionSlot", "StreamingSession", "SessionNode"]
@@ -62,7 +63,7 @@ class SessionSlot:
     token_ids: list[int] = field(default_factory=list)
     extra_key: str | None = None
     # The request running on the record now (restored, not yet finished), if any.
-    turn: Any = None
+    turn: Req | None = None
 
     def __post_init__(self) -> None:
         if self.node is None:
@@ -96,7 +97,7 @@ class SessionSlot:
         req.lock = None
         self.turn = req
 
-    def running_turn(self) -> Any:
+    def running_turn(self) -> Req | None:
         """The request running on this slot's record now (restored and not finished, aborted or cancelled)."""
         turn = self.turn
         if turn is not None and turn.kv is not self.kv:
@@ -136,7 +137,7 @@ class StreamingSession(ForwardingCache):
         slot = self.slots.get(req.session_id)
         return slot if slot is not None and slot.kv.is_held else None
 
-    def try_match_prefix(self, key, req: Req) -> MatchResult | None:
+    def try_match_prefix(self, key: KeyLike, req: Req) -> MatchResult | None:
         """Reuse the session's KV for ``req``, or None when the session holds none.
 
         Reuse reaches as far as the new turn's tokens agree with the tokens the
@@ -270,12 +271,12 @@ class StreamingSession(ForwardingCache):
                 yield s
 
     # -- BasePrefixCache ---------------------------------------------------
-    def match_prefix(self, key: Any, req: Req | None = None, **kwargs: Any) -> MatchResult:
+    def match_prefix(self, key: KeyLike, req: Req | None = None, **kwargs: Any) -> MatchResult:
         """The session's KV for ``req``'s turn when it holds some, else the backend's match of ``key``."""
         result = self.try_match_prefix(key, req) if req is not None else None
         return result if result is not None else self.inner.match_prefix(key, **kwargs)
 
-    def match_request(self, req: Req, key) -> MatchResult:
+    def match_request(self, req: Req, key: KeyLike) -> MatchResult:
         result = self.try_match_prefix(key, req) if req.session_id is not None else None
         return result if result is not None else self.inner.match_request(req, key)
 

@@ -16,6 +16,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "PageStored",
@@ -55,6 +56,9 @@ class AllPagesCleared:
     kind: str = "cleared"
 
 
+KVEvent = PageStored | PageRemoved | AllPagesCleared
+
+
 def page_hash(tokens: Sequence[int], parent_hash: str | None, extra_key: str | None) -> str:
     """SHA-256 hex digest of one page, chained on the previous page and namespaced by ``extra_key``.
 
@@ -83,7 +87,9 @@ def chain_page_hashes(
     return out
 
 
-def record_stored(events: list, node, page_size: int) -> None:
+# ``node`` is a node of any tree backend (they share no base class): these read its
+# ``parent``, ``key`` and ``extra_key`` and write its ``hash_value``.
+def record_stored(events: list[KVEvent], node: Any, page_size: int) -> None:
     """Hash ``node``'s pages (chained on its parent's last page) into ``node.hash_value``
     and append one :class:`PageStored` per page to ``events``."""
     parent = node.parent
@@ -98,7 +104,7 @@ def record_stored(events: list, node, page_size: int) -> None:
         prev = h
 
 
-def record_removed(events: list, node) -> None:
+def record_removed(events: list[KVEvent], node: Any) -> None:
     """Append one :class:`PageRemoved` per hashed page of ``node`` to ``events``."""
     hashes = node.hash_value
     if hashes:
@@ -114,9 +120,9 @@ class KVEventLog:
     """
 
     enable_kv_events: bool
-    _events: list
+    _events: list[KVEvent]
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KVEvent]:
         """The events recorded since the last call, oldest first; the log starts empty again."""
         events, self._events = self._events, []
         return events

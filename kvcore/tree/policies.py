@@ -36,28 +36,28 @@ class EvictionStrategy:
 
     newest_first = False
 
-    def get_priority(self, node: Any):  # pragma: no cover - abstract
+    def get_priority(self, node: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
 class LRUStrategy(EvictionStrategy):
     """Least recently used first."""
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> float:
         return node.last_access_time
 
 
 class LFUStrategy(EvictionStrategy):
     """Least frequently hit first, then least recently used."""
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> tuple[int, float]:
         return (node.hit_count, node.last_access_time)
 
 
 class FIFOStrategy(EvictionStrategy):
     """Oldest node first."""
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> float:
         return node.creation_time
 
 
@@ -66,7 +66,7 @@ class MRUStrategy(EvictionStrategy):
 
     newest_first = True
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> float:
         return -node.last_access_time
 
 
@@ -75,24 +75,24 @@ class FILOStrategy(EvictionStrategy):
 
     newest_first = True
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> float:
         return -node.creation_time
 
 
 class PriorityStrategy(EvictionStrategy):
     """Lowest request priority first, then least recently used."""
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> tuple[int, float]:
         return (node.priority, node.last_access_time)
 
 
 class SLRUStrategy(EvictionStrategy):
     """Segmented LRU: nodes hit fewer than ``protected_threshold`` times go first."""
 
-    def __init__(self, protected_threshold: int = 2):
+    def __init__(self, protected_threshold: int = 2) -> None:
         self.protected_threshold = protected_threshold
 
-    def get_priority(self, node):
+    def get_priority(self, node: Any) -> tuple[int, float]:
         return (1 if node.hit_count >= self.protected_threshold else 0, node.last_access_time)
 
 

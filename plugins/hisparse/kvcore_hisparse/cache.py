@@ -11,7 +11,7 @@ from kvcore.cache import SlotOwner
 from kvcore.chunk_cache import ChunkCache
 from kvcore.pools.views import PoolView
 from kvcore_hisparse.config import HiSparseConfig
-from kvcore_hisparse.coordinator import HiSparseCoordinator
+from kvcore_hisparse.coordinator import HiSparseCoordinator, HiSparseTokenStats
 from kvcore_hisparse.memory_pool import HiSparseHostPool, HiSparseTokenToKVPool, HiSparseTokenToKVPoolAllocator
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class HiSparseCache(ChunkCache):
         )
         return out
 
-    def get_token_stats(self):
+    def get_token_stats(self) -> HiSparseTokenStats:
         return self.coordinator.get_token_stats()
 
 

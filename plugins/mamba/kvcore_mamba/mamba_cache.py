@@ -32,7 +32,7 @@ tombstone*).  What follows SGLang exactly, because the differential test checks 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -59,6 +59,9 @@ from kvcore.tree import (
     unlock_path,
 )
 from kvcore_mamba.config import MambaConfig
+
+if TYPE_CHECKING:
+    from kvcore.record import Req, ReqKvInfo
 
 __all__ = ["MambaRadixCache", "MambaTreeNode"]
 
@@ -242,7 +245,7 @@ class MambaRadixCache(BasePrefixCache):
                 PoolView("mamba", self.mamba_allocator, record_slots=self._record_states)]
 
     @staticmethod
-    def _record_states(kv: Any) -> tuple[torch.Tensor, int]:
+    def _record_states(kv: ReqKvInfo) -> tuple[torch.Tensor, int]:
         comp = mamba_state_of(kv)
         if comp is None:
             return _EMPTY, 0
@@ -328,7 +331,7 @@ class MambaRadixCache(BasePrefixCache):
             best, best_count = node, len(nodes)
         return nodes, best, best_count
 
-    def match_prefix(self, key: KeyLike, cow_mamba: bool = False, req: Any = None) -> MatchResult:
+    def match_prefix(self, key: KeyLike, cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
         """The cached prefix of ``key`` up to the deepest node with a state (see the module docstring).
 
         ``cow_mamba=True`` with ``req``: a request that holds no state slot gets one
@@ -372,6 +375,7 @@ class MambaRadixCache(BasePrefixCache):
                         f"match_prefix(cow_mamba=True): no state slot free or evictable "
                         f"(mamba_size={self.mamba_pool.size}, all states locked)"
                     )
+            assert req is not None  # refused above when cow_mamba
             comp = mamba_state_of(req.kv, create=True)
             assert comp is not None
             comp.mamba_pool_idx = dst[0]
@@ -388,7 +392,7 @@ class MambaRadixCache(BasePrefixCache):
             value = torch.cat([x.value for x in kept])
         return MatchResult(value, best, best, None, {"mamba_branching_seqlen": branching})
 
-    def match_request(self, req: Any, key: KeyLike) -> MatchResult:
+    def match_request(self, req: Req, key: KeyLike) -> MatchResult:
         """The engine's admission match: SGLang's ``cow_mamba`` match, with the slot taken with the row.
 
         ``kvcore.Engine`` locks the matched node and then takes the request's row with
@@ -586,7 +590,7 @@ class MambaRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ locks
 
-    def _path(self, node: Any, what: str) -> list:
+    def _path(self, node: Any, what: str) -> list[MambaTreeNode]:
         if not isinstance(node, MambaTreeNode):
             raise TypeError(f"{what}: expected a MambaTreeNode, got {type(node).__name__}")
         return path_to_root(node, self.root_node, what)
@@ -717,7 +721,7 @@ class MambaRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ requests
 
-    def _state(self, req: Any, what: str) -> MambaReqState:
+    def _state(self, req: Req, what: str) -> MambaReqState:
         comp = mamba_state_of(req.kv)
         if comp is None or not comp.holds_mamba:
             raise ValueError(
@@ -728,7 +732,7 @@ class MambaRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ extra-buffer mode (page_size > 1)
 
-    def track_mamba_state(self, req: Any) -> int | None:
+    def track_mamba_state(self, req: Req) -> int | None:
         """Replay SGLang's scheduler tracking over what ``req`` computed since the last call.
 
         See :meth:`kvcore.pools.mamba_pool.MambaRequestStates.track`; ``cache_unfinished_req`` /
@@ -737,7 +741,7 @@ class MambaRadixCache(BasePrefixCache):
         """
         return self.states.track(req)
 
-    def _cache_finished_extra(self, req: Any, is_insert: bool) -> None:
+    def _cache_finished_extra(self, req: Req, is_insert: bool) -> None:
         """SGLang's extra-buffer ``cache_finished_req``: cache at the last tracked length, donate that slot."""
         kv = req.kv
         comp = mamba_state_of(kv)
@@ -768,7 +772,7 @@ class MambaRadixCache(BasePrefixCache):
         r2t.free_mamba_cache(kv, keep=keep)
         self.release_req_lock(req)
 
-    def _cache_unfinished_extra(self, req: Any, chunked: bool) -> None:
+    def _cache_unfinished_extra(self, req: Req, chunked: bool) -> None:
         """SGLang's extra-buffer ``cache_unfinished_req``: donate the tracked ping-pong slot to the tree."""
         kv = req.kv
         committed = kv.kv_committed_len
@@ -797,7 +801,7 @@ class MambaRadixCache(BasePrefixCache):
         self.rebase_on_match(req, self.match_prefix(key), committed)
         comp.mamba_last_track_seqlen = None
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Cache ``fill_ids[:kv_committed_len]`` with the request's state (donated to the tree unless it had one).
 
         Page size > 1 (extra-buffer mode): cache ``fill_ids[:mamba_last_track_seqlen]`` (nothing
@@ -835,7 +839,7 @@ class MambaRadixCache(BasePrefixCache):
                 comp.cow_node = None
         self.release_req_lock(req)
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Snapshot the request's state into the tree at ``kv_committed_len`` (SGLang copies it into a new slot).
 
         Page size > 1 (extra-buffer mode): the tree takes the tracked ping-pong slot at
@@ -871,15 +875,15 @@ class MambaRadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ retraction backups, session accounting
 
-    def backup_request_state(self, req: Any) -> Any:
+    def backup_request_state(self, req: Req) -> Any:
         """A host copy of the request's own state slot (conv states, temporal state) for a retraction backup."""
         return self.states.backup(req)
 
-    def restore_request_state(self, req: Any, state: Any) -> None:
+    def restore_request_state(self, req: Req, state: Any) -> None:
         """Write a ``backup_request_state`` copy into the state slot the request holds now."""
         self.states.restore(req, state)
 
-    def request_state_slots(self, kv: Any) -> int:
+    def request_state_slots(self, kv: ReqKvInfo) -> int:
         """State slots the record holds: its own and its ping-pong tracking slots."""
         return self.states.slots_held(kv)
 

@@ -13,8 +13,8 @@ import heapq
 import logging
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -41,6 +41,9 @@ from kvcore.tree import (
 )
 from kvcore_radix.config import RadixConfig
 
+if TYPE_CHECKING:
+    from kvcore.record import Req
+
 __all__ = ["RadixCache", "RadixConfig", "TreeNode"]
 
 _log = logging.getLogger(__name__)
@@ -61,7 +64,8 @@ class TreeNode(Node):
 
     split_copy = ("lock_ref", "last_access_time", "hit_count", "priority")
 
-    def __init__(self, key, value, parent, ck, now, priority=0, extra_key=None):
+    def __init__(self, key: list[int], value: torch.Tensor | None, parent: TreeNode | None, ck: Hashable,
+                 now: float, priority: int = 0, extra_key: str | None = None) -> None:
         self.children: dict = {}
         self.parent = parent
         self.key = key
@@ -264,7 +268,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
         access time, hit count and priority.
         """
         self._last_walk = None
-        return split_node(child, m, TreeNode(None, None, None, None, now), self.page_size)
+        return split_node(child, m, TreeNode([], None, None, None, now), self.page_size)
 
     def insert(self, key: KeyLike, value: torch.Tensor | None = None, *, priority: int = 0,
                chunked: bool = False) -> InsertResult:
@@ -451,7 +455,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
     def check_node_locked(self, node: Any, what: str) -> None:
         check_locked(self._path(node, what), node, what)
 
-    def cache_finished_req(self, req, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         self.check_req(req, "cache_finished_req")
         kv = req.kv
         committed = kv.kv_committed_len
@@ -473,7 +477,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
         self.release_req_lock(req)
 
-    def cache_unfinished_req(self, req, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         if self.disable:
             return
         self.check_req(req, "cache_unfinished_req")

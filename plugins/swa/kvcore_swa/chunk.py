@@ -8,7 +8,7 @@ import torch
 
 from kvcore.cache import EvictResult, InsertResult, LockResult, MatchResult
 from kvcore.chunk_cache import ChunkCache
-from kvcore.keys import checked_key
+from kvcore.keys import KeyLike, checked_key
 from kvcore.tree import check_evict_count
 from kvcore_swa.config import require_swa_allocator
 from kvcore_swa.window import SlidingWindowMixin, window_size
@@ -39,12 +39,12 @@ class SWAChunkCache(SlidingWindowMixin, ChunkCache):
         self.token_to_kv_pool_allocator = alloc
         self.sliding_window_size = window_size(params.config, sliding_window_size)
 
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key: KeyLike) -> MatchResult:
         checked_key(key)
         return MatchResult(device_indices=self._empty, last_device_node=None, best_match_node=None)
 
     def insert(
-        self, key, value: torch.Tensor | None = None, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0
+        self, key: KeyLike, value: torch.Tensor | None = None, prev_prefix_len: int = 0, swa_evicted_seqlen: int = 0
     ) -> InsertResult:
         """Keeps nothing; the caller keeps (and frees) ``value``."""
         key = checked_key(key)

@@ -51,6 +51,7 @@ import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams, TreeCacheConfig
+from kvcore.keys import KeyLike
 from kvcore.plugins import get_backend
 from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools.allocator import TokenToKVPoolAllocator, split_row_segments
@@ -221,10 +222,10 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def check_node_locked(self, node: Any, what: str) -> None:
         self.tree.check_node_locked(node, what)
 
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key: KeyLike) -> MatchResult:
         return self.tree.match_prefix(key)
 
-    def insert(self, key, value: torch.Tensor | None = None, **kwargs: Any) -> InsertResult:
+    def insert(self, key: KeyLike, value: torch.Tensor | None = None, **kwargs: int) -> InsertResult:
         return self.tree.insert(key, value, **kwargs)
 
     def inc_lock_ref(self, node: Any) -> LockResult:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
-from kvcore.keys import RadixKey, checked_key
+from kvcore.keys import KeyLike, RadixKey, checked_key
 from kvcore.record import floor_align
 from kvcore.tree import (
     KVEventLog,
@@ -227,7 +227,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ keys
 
-    def _prepare_key(self, key) -> tuple[list[int], Any, int]:
+    def _prepare_key(self, key: KeyLike) -> tuple[list[int], str | None, int]:
         rk = checked_key(key)
         ids = rk.token_ids
         return ids, rk.extra_key, floor_align(len(ids), self.page_size)
@@ -237,7 +237,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, key) -> MatchResult:
+    def match_prefix(self, key: KeyLike) -> MatchResult:
         """The longest cached prefix usable for sliding-window attention.
 
         The result stops at the last point whose path either has no tombstone or
@@ -299,7 +299,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
     def insert(
         self,
-        key,
+        key: KeyLike,
         value: torch.Tensor | None = None,
         prev_prefix_len: int = 0,
         swa_evicted_seqlen: int = 0,
@@ -368,7 +368,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
     def _insert(
         self,
         ids: list[int],
-        extra_key,
+        extra_key: str | None,
         n: int,
         value: torch.Tensor,
         prev: int,
@@ -469,7 +469,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         self.swa_evictable_size_ += len(node.key)
 
     def _add_node(
-        self, parent: SWATreeNode, key: list[int], extra_key, value: torch.Tensor, tombstone: bool
+        self, parent: SWATreeNode, key: list[int], extra_key: str | None, value: torch.Tensor, tombstone: bool
     ) -> SWATreeNode:
         """A new child of ``parent``; ``value`` is the tree's own copy, already claimed under ``strict``."""
         node = SWATreeNode()

@@ -9,13 +9,14 @@ from kvcore.cache import EvictResult
 from kvcore.release import free_swa_out_of_window_slots_batch
 
 if TYPE_CHECKING:
+    from kvcore.config import CacheConfig
     from kvcore.pools import ReqToTokenPool, SWATokenToKVPoolAllocator
     from kvcore.record import Req
 
 __all__ = ["SlidingWindowMixin", "window_size"]
 
 
-def window_size(config, sliding_window_size: int | None) -> int:
+def window_size(config: CacheConfig, sliding_window_size: int | None) -> int:
     """``sliding_window_size`` if given, else the config's; ValueError unless positive."""
     if sliding_window_size is None:
         sliding_window_size = getattr(config, "sliding_window_size", None)

@@ -18,13 +18,13 @@ core's (:mod:`kvcore.pools.mamba_pool`), shared with the ``mamba`` backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from kvcore.cache import LockResult, SlotOwner
+from kvcore.cache import InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.pools.mamba_pool import (
     HybridReqToTokenPool,
     MambaPool,
@@ -37,7 +37,8 @@ from kvcore_unified.components import LRUValueComponent
 
 if TYPE_CHECKING:
     from kvcore.pool_builder import Placement
-    from kvcore_unified.tree import InsertArgs, UnifiedRadixCache
+    from kvcore.record import Req, ReqKvInfo
+    from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
 
 __all__ = ["MambaComponent", "MambaOptions"]
 
@@ -97,33 +98,33 @@ class MambaComponent(LRUValueComponent):
         return [PoolView("mamba", self.mamba_pool.allocator, record_slots=_record_slots)]
 
     # -- per node ----------------------------------------------------------------------
-    def has_value(self, node: Any) -> bool:
+    def has_value(self, node: UnifiedNode) -> bool:
         return node.mamba_value is not None
 
-    def value_len(self, node: Any) -> int:
+    def value_len(self, node: UnifiedNode) -> int:
         return 0 if node.mamba_value is None else len(node.mamba_value)
 
-    def lock_ref(self, node: Any) -> int:
+    def lock_ref(self, node: UnifiedNode) -> int:
         return node.mamba_lock_ref
 
-    def owned_slots(self, node: Any) -> Iterator[SlotOwner]:
+    def owned_slots(self, node: UnifiedNode) -> Iterator[SlotOwner]:
         yield SlotOwner("mamba", f"tree node {node.id} ({len(node.key)} tokens)", node.mamba_value)
 
-    def free_value(self, node: Any) -> int:
+    def free_value(self, node: UnifiedNode) -> int:
         v = node.mamba_value
         if self.cache.strict:
             self.mamba_pool.allocator.disown(v)
         self.mamba_pool.free(v)
         return self.forget_value(node)
 
-    def set_value(self, node: Any, value: torch.Tensor) -> None:
+    def set_value(self, node: UnifiedNode, value: torch.Tensor) -> None:
         # Under strict the tree claims every state slot it keeps, so a second node (or a
         # caller's free) offering it again is refused, as for the full pool's slots.
         if self.cache.strict:
             self.mamba_pool.allocator.claim(value, checked=False)
         super().set_value(node, value)
 
-    def on_split(self, upper: Any, child: Any) -> None:
+    def on_split(self, upper: UnifiedNode, child: UnifiedNode) -> None:
         upper.mamba_value = None
         upper.mamba_lock_ref = 0
         if child.mamba_value is not None:
@@ -132,14 +133,14 @@ class MambaComponent(LRUValueComponent):
             self.lru.add_mru(child)
 
     # -- match -------------------------------------------------------------------------
-    def validator(self):
+    def validator(self) -> Callable[[Any], bool]:
         return self.has_value
 
-    def after_match(self, node: Any) -> None:
+    def after_match(self, node: UnifiedNode) -> None:
         if node.mamba_value is not None:
             self.lru.touch(node)
 
-    def finish_match(self, result: Any, cow: bool, req: Any) -> Any:
+    def finish_match(self, result: MatchResult, cow: bool, req: Req | None) -> MatchResult:
         extras = dict(result.extras or {})
         aligned = extras.get("matched_len", 0) // self.grid * self.grid
         branching = aligned if aligned > result.device_indices.numel() else None
@@ -174,7 +175,7 @@ class MambaComponent(LRUValueComponent):
                 comp.mamba_needs_clear = False
         return result
 
-    def on_match_request(self, req: Any, result: Any) -> None:
+    def on_match_request(self, req: Req, result: MatchResult) -> None:
         comp = mamba_state_of(req.kv, create=True)
         assert comp is not None
         if not comp.holds_mamba:
@@ -183,13 +184,13 @@ class MambaComponent(LRUValueComponent):
             comp.mamba_branching_seqlen = result.mamba_branching_seqlen
 
     # -- insert ------------------------------------------------------------------------
-    def request_state_slots(self, kv: Any) -> int:
+    def request_state_slots(self, kv: ReqKvInfo) -> int:
         return self.states.slots_held(kv)
 
-    def backup_request_state(self, req: Any) -> Any:
+    def backup_request_state(self, req: Req) -> Any:
         return self.states.backup(req)
 
-    def restore_request_state(self, req: Any, state: Any) -> None:
+    def restore_request_state(self, req: Req, state: Any) -> None:
         self.states.restore(req, state)
 
     def stats(self) -> dict[str, int]:
@@ -206,7 +207,7 @@ class MambaComponent(LRUValueComponent):
             self.mamba_pool.allocator.check_claimable(v, what="insert mamba_value")
         ins.mamba_value = v
 
-    def before_insert(self, value: Any, ins: Any) -> None:
+    def before_insert(self, value: torch.Tensor | None, ins: InsertArgs) -> None:
         if ins.mamba_value is not None:
             return
         slot = self.states.alloc_slot()
@@ -216,7 +217,7 @@ class MambaComponent(LRUValueComponent):
         ins.mamba_value = slot
         ins.own_state = True
 
-    def on_insert_commit(self, node: Any, is_new_leaf: bool, ins: InsertArgs) -> None:
+    def on_insert_commit(self, node: UnifiedNode, is_new_leaf: bool, ins: InsertArgs) -> None:
         value = ins.mamba_value
         assert value is not None
         if is_new_leaf:
@@ -233,7 +234,7 @@ class MambaComponent(LRUValueComponent):
             self.mamba_pool.free(value)
 
     # -- requests ----------------------------------------------------------------------
-    def prepare_insert(self, req: Any, ins: InsertArgs, finished: bool) -> int | None:
+    def prepare_insert(self, req: Req, ins: InsertArgs, finished: bool) -> int | None:
         comp = mamba_state_of(req.kv)
         if self.states.extra_buffer:
             return self._prepare_tracked(req, comp, ins, finished)
@@ -251,7 +252,7 @@ class MambaComponent(LRUValueComponent):
         ins.mamba_value = donated
         return None
 
-    def _prepare_tracked(self, req: Any, comp: Any, ins: InsertArgs, finished: bool) -> int:
+    def _prepare_tracked(self, req: Req, comp: Any, ins: InsertArgs, finished: bool) -> int:
         """Extra-buffer mode (SGLang's ``prepare_for_caching_req``): cache up to the last tracked snapshot."""
         if comp is None or comp.mamba_ping_pong_track_buffer is None:
             raise ValueError(
@@ -269,7 +270,7 @@ class MambaComponent(LRUValueComponent):
         ins.mamba_value = donated
         return cache_len
 
-    def after_cache_req(self, req: Any, finished: bool, ins: Any, result: Any) -> None:
+    def after_cache_req(self, req: Req, finished: bool, ins: InsertArgs | None, result: InsertResult | None) -> None:
         comp = mamba_state_of(req.kv)
         extra = self.states.extra_buffer
         if finished:
@@ -293,7 +294,7 @@ class MambaComponent(LRUValueComponent):
             comp.mamba_last_track_seqlen = None
 
     # -- locks -------------------------------------------------------------------------
-    def lock(self, node: Any, lock: LockResult) -> None:
+    def lock(self, node: UnifiedNode, lock: LockResult) -> None:
         if node.mamba_value is None:
             lock.extras.setdefault("mamba_skip", set()).add(node.id)
             return
@@ -302,7 +303,7 @@ class MambaComponent(LRUValueComponent):
             self._protected += 1
         node.mamba_lock_ref += 1
 
-    def unlock(self, node: Any, lock: LockResult | None) -> None:
+    def unlock(self, node: UnifiedNode, lock: LockResult | None) -> None:
         if lock is not None and node.id in lock.extras.get("mamba_skip", ()):
             return
         if node.mamba_lock_ref > 0:
@@ -313,13 +314,13 @@ class MambaComponent(LRUValueComponent):
             node.mamba_lock_ref -= 1
 
     # -- checks ------------------------------------------------------------------------
-    def check(self, node: Any) -> None:
+    def check(self, node: UnifiedNode) -> None:
         if node.mamba_value is None:
             assert node not in self.lru and node.mamba_lock_ref == 0, node
         else:
             assert node in self.lru, node
 
-    def check_totals(self, root: Any) -> None:
+    def check_totals(self, root: UnifiedNode) -> None:
         from kvcore.tree import iter_subtree
 
         ev = pr = cnt = 0
@@ -334,7 +335,7 @@ class MambaComponent(LRUValueComponent):
         assert cnt == self.lru.count, (cnt, self.lru.count)
 
 
-def _record_slots(kv: Any) -> tuple[torch.Tensor, int]:
+def _record_slots(kv: ReqKvInfo) -> tuple[torch.Tensor, int]:
     """The state slots a request record holds (its own one), for the invariant checker."""
     comp = mamba_state_of(kv)
     if comp is None:

@@ -26,7 +26,7 @@ import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.components import TreeComponent, get_component
-from kvcore.keys import RadixKey, as_radix_key, check_token_ids
+from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from kvcore.config import CacheInitParams
-    from kvcore.record import Req
+    from kvcore.record import Req, ReqKvInfo
 
 __all__ = ["UnifiedRadixCache", "UnifiedNode", "InsertArgs"]
 
@@ -72,6 +72,8 @@ class UnifiedNode(Node):
     if TYPE_CHECKING:
         # The components' own fields (``TreeComponent.node_fields``): set on every new node.
         def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __repr__(self) -> str:
         ids = self.key if len(self.key) <= 6 else f"{self.key[:6]}...+{len(self.key) - 6}"
@@ -197,7 +199,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
     def full_protected_size(self) -> int:
         return self.full.protected_size()
 
-    def request_state_slots(self, kv: Any) -> int:
+    def request_state_slots(self, kv: ReqKvInfo) -> int:
         return sum(c.request_state_slots(kv) for c in self.aux)
 
     def backup_request_state(self, req: Req) -> Any:
@@ -261,7 +263,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, key: Any, cow_mamba: bool = False, req: Any = None) -> MatchResult:
+    def match_prefix(self, key: KeyLike, cow_mamba: bool = False, req: Req | None = None) -> MatchResult:
         """The longest cached prefix every component accepts (SGLang's ``match_prefix``)."""
         rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
         ids = rk.token_ids
@@ -349,7 +351,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             check_token_ids(rk.token_ids, start, refuse_bools=self.strict)
             rk.validated = True
 
-    def _matched_len(self, ids: list, n: int, extra_key: Any) -> int:
+    def _matched_len(self, ids: list, n: int, extra_key: str | None) -> int:
         """How many of ``ids[:n]`` the tree holds (to validate only the rest)."""
         try:
             _, pos, _, m = descend(self.root_node, ids, n, self.page_size, extra_key)
@@ -357,12 +359,12 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             return 0
         return pos + m
 
-    def _finish_match(self, result: MatchResult, cow_mamba: bool, req: Any) -> MatchResult:
+    def _finish_match(self, result: MatchResult, cow_mamba: bool, req: Req | None) -> MatchResult:
         for c in self.aux:
             result = c.finish_match(result, cow_mamba, req)
         return result
 
-    def match_request(self, req: Req, key: Any) -> MatchResult:
+    def match_request(self, req: Req, key: KeyLike) -> MatchResult:
         """The engine's admission match: a plain match; components note what the request takes (Mamba's copy)."""
         result = self.match_prefix(key)
         for c in self.aux:
@@ -371,7 +373,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, key: Any, value: torch.Tensor | None = None, prev_prefix_len: int = 0,
+    def insert(self, key: KeyLike, value: torch.Tensor | None = None, prev_prefix_len: int = 0,
                swa_evicted_seqlen: int = 0, *, mamba_value: torch.Tensor | None = None, chunked: bool = False,
                priority: int = 0) -> InsertResult:
         """Cache ``value`` (full slots) under ``key``; returns the length that was cached already.
@@ -423,7 +425,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         prefix_len, last = self._insert(ids, rk.extra_key, n, value, ins, rk)
         return InsertResult(prefix_len, last, True, ins.mamba_exist)
 
-    def _insert(self, ids: list[int], extra_key: Any, n: int, value: torch.Tensor,
+    def _insert(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
                 ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
         aux = self.aux
         if not aux:
@@ -476,7 +478,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 c.after_insert(node)
         return pos, node
 
-    def _insert_full(self, ids: list[int], extra_key: Any, n: int, value: torch.Tensor,
+    def _insert_full(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
                      ins: InsertArgs, rk: RadixKey | None) -> tuple[int, UnifiedNode]:
         """``_insert`` of a full-only tree (what most engines run): no per-node component calls.
 
@@ -529,7 +531,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             rk.validated = True
         return path, pos, ids
 
-    def _walk_full(self, ids: list[int], extra_key: Any, n: int, ins: InsertArgs,
+    def _walk_full(self, ids: list[int], extra_key: str | None, n: int, ins: InsertArgs,
                    rk: RadixKey | None, value: torch.Tensor) -> tuple[int, UnifiedNode, list[int]]:
         """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
 
@@ -571,7 +573,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             pos += m
         return pos, node, ids
 
-    def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: Any, value: torch.Tensor,
+    def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
         """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is."""
         self._last_walk = None
@@ -769,7 +771,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     # ------------------------------------------------------------------ requests
 
-    def _row(self, kv: Any) -> torch.Tensor:
+    def _row(self, kv: ReqKvInfo) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[kv.req_pool_idx]
 
     def check_node_locked(self, node: Any, what: str) -> None:
