@@ -264,3 +264,20 @@ def test_a_diverging_session_turn_does_not_reuse_a_recurrent_state(backend: str)
     engine.finish(second)
     engine.end_session("s")
     InvariantChecker(session).check(owners=[])
+
+
+# -- allocator arguments trusted: a value that straddles pages ------------------------------------
+
+@pytest.mark.parametrize(("backend", "page"), [("radix", 4), ("npu", 128), ("swa", 4), ("unified", 4), ("mamba", 4)])
+def test_an_insert_whose_slots_straddle_pages_is_refused(backend: str, page: int) -> None:
+    cache = build(backend, page_size=page, size=64 * page, max_context_len=8 * page)
+    alloc = cache.token_to_kv_pool_allocator
+    first, second = alloc.alloc(2 * page), alloc.alloc(page)
+    straddling = torch.cat([first[page // 2:], second[: page // 2]])  # half of each of three pages
+    before = state(cache)
+    with pytest.raises(ValueError, match="whole pages"):
+        cache.insert(list(range(1, 1 + 2 * page)), straddling)
+    assert state(cache) == before
+    alloc.free(first)
+    alloc.free(second)
+    InvariantChecker(cache).check(owners=[])

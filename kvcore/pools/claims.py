@@ -32,6 +32,14 @@ class SlotClaims(Protocol):
     def claimed_slots(self) -> torch.Tensor: ...
 
 
+def _whole_pages(s: Array, page_size: int) -> bool:
+    """Whether ``s`` is whole pages, each one in order: ``[k*p, k*p + 1, ..., k*p + p - 1]``."""
+    if len(s) % page_size:
+        return False
+    rows = s.reshape(-1, page_size)
+    return bool((rows[:, 0] % page_size == 0).all()) and bool((rows[:, 1:] - rows[:, :-1] == 1).all())
+
+
 class SlotOwnership:
     """The owner map of one pool (per slot: non-zero when claimed), made on first use.
 
@@ -83,6 +91,14 @@ class SlotOwnership:
             self._raise_unclaimable(s, what)
         if not commit:
             owned[s] = 0
+        p = self.pages.page_size
+        if p > 1 and not _whole_pages(s, p):
+            if commit:
+                owned[s] = 0
+            raise ValueError(
+                f"{what}: the slots do not make whole pages of {p} in order (a value straddling pages would "
+                "leave a node half of each page); a paged cache keeps the pages alloc_extend hands out"
+            )
 
     def _raise_unclaimable(self, s: Array, what: str) -> NoReturn:
         p = self.pages.page_size
