@@ -39,6 +39,7 @@ from kvcore.tree import (
     split_node,
     unlock_path,
 )
+from kvcore.tree.policies import EvictionStrategy
 from kvcore_radix.config import RadixConfig
 
 if TYPE_CHECKING:
@@ -114,12 +115,14 @@ class RadixCache(KVEventLog, BasePrefixCache):
         self._claims = cast(SlotClaims, self.token_to_kv_pool_allocator)
         self.enable_kv_events = bool(config.enable_kv_events)
         self.eviction_policy = str(config.eviction_policy).lower()
-        self._check_match_tail = getattr(config, "key_validation", "full") != "stored"
+        # key_validation is radix's own option; a config of another backend built on this tree (npu) validates fully.
+        self._check_match_tail = not (isinstance(config, RadixConfig) and config.key_validation == "stored")
         self.eviction_strategy = resolve_policy(self.eviction_policy)
         # Equal priorities go oldest node first, or newest first for policies that
         # evict the newest (mru, filo): SGLang's clock orders a new leaf after its split
         # sibling within one call, where ours reads the clock once.
-        self._evict_tie = -1 if getattr(self.eviction_strategy, "newest_first", False) else 1
+        strategy = self.eviction_strategy
+        self._evict_tie = -1 if isinstance(strategy, EvictionStrategy) and strategy.newest_first else 1
         self.device = torch.device("cpu" if alloc is None else alloc.device)
         self._events: list = []
         self._init_tree()

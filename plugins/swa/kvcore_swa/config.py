@@ -17,12 +17,12 @@ __all__ = ["SWAConfig", "SWAChunkConfig", "SWAPools", "SlidingWindowConfig", "mi
 
 def require_swa_allocator(allocator: Any, backend: str) -> SWATokenToKVPoolAllocator:
     """``allocator``, as long as it has a full and a window pool; TypeError otherwise."""
-    for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
-        if not hasattr(allocator, attr):
-            raise TypeError(
-                f"{backend} needs an SWATokenToKVPoolAllocator (full and window pools), "
-                f"got {type(allocator).__name__} without {attr}()"
-            )
+    # What the allocator declares about its pools (PoolView.windowed), not a probe of its methods.
+    if not any(view.windowed for view in allocator.pool_views()):
+        raise TypeError(
+            f"{backend} needs an SWATokenToKVPoolAllocator (full and window pools), "
+            f"got {type(allocator).__name__}, whose pools have no window"
+        )
     return cast("SWATokenToKVPoolAllocator", allocator)
 
 

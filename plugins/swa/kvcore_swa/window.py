@@ -19,7 +19,9 @@ __all__ = ["SlidingWindowMixin", "window_size"]
 def window_size(config: CacheConfig, sliding_window_size: int | None) -> int:
     """``sliding_window_size`` if given, else the config's; ValueError unless positive."""
     if sliding_window_size is None:
-        sliding_window_size = getattr(config, "sliding_window_size", None)
+        from kvcore_swa.config import SlidingWindowConfig
+
+        sliding_window_size = config.sliding_window_size if isinstance(config, SlidingWindowConfig) else None
     if sliding_window_size is None or sliding_window_size <= 0:
         raise ValueError(f"sliding_window_size must be a positive number of tokens, got {sliding_window_size}")
     return int(sliding_window_size)

@@ -284,10 +284,10 @@ class SWAComponent(LRUValueComponent):
         opts = options if isinstance(options, SWAOptions) else SWAOptions.model_validate({})
         self.window = int(opts.sliding_window_size)
         alloc = cache.token_to_kv_pool_allocator
-        for attr in ("free_swa", "free_full", "translate_loc_from_full_to_swa"):
-            if not hasattr(alloc, attr):
-                raise TypeError(
-                    f"the swa component needs an SWATokenToKVPoolAllocator, got {type(alloc).__name__}")
+        from kvcore.pools import SWATokenToKVPoolAllocator
+
+        if not isinstance(alloc, SWATokenToKVPoolAllocator):
+            raise TypeError(f"the swa component needs an SWATokenToKVPoolAllocator, got {type(alloc).__name__}")
         self.alloc = alloc
         self._uuids = itertools.count(1)
 
