@@ -4,6 +4,8 @@ They register through the same hooks third-party plugins use, so
 ``kvcore backends`` lists them with their distribution like any other.
 """
 
+from collections.abc import Callable
+
 from kvcore.chunk_cache import ChunkCache
 from kvcore.config import CacheConfig
 from kvcore.hookspecs import hookimpl
@@ -11,7 +13,7 @@ from kvcore.tree.policies import BUILTIN_POLICIES
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "chunk",
         ChunkCache,
@@ -21,6 +23,6 @@ def kvcore_register_backends(register):
 
 
 @hookimpl
-def kvcore_register_eviction_policies(register):
+def kvcore_register_eviction_policies(register: Callable[..., None]) -> None:
     for name, factory in BUILTIN_POLICIES.items():
         register(name, factory)

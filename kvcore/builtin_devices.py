@@ -7,6 +7,8 @@ registers ``npu``) the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvcore.errors import DeviceUnavailable
@@ -46,7 +48,7 @@ def _cuda_synchronize(device: torch.device) -> None:
 
 
 @hookimpl
-def kvcore_register_devices(register):
+def kvcore_register_devices(register: Callable[..., None]) -> None:
     register(
         "cpu", why_unavailable=_cpu_available, resolve=_cpu_resolve, description="host memory, torch's CPU tensors"
     )

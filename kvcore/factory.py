@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 from pydantic import ValidationError
@@ -15,6 +15,9 @@ from kvcore.devices import check_device, get_device
 from kvcore.errors import DeviceUnavailable, KvcoreError, PluginError
 from kvcore.plugins import BackendSpec, get_backend, get_plugin_manager
 from kvcore.pool_builder import DEFAULT_POOLS, Placement, PoolBuilder
+
+if TYPE_CHECKING:
+    from kvcore.record import Req
 
 __all__ = [
     "ConfigError",
@@ -48,21 +51,21 @@ def _format_validation_error(backend: str, exc: ValidationError) -> str:
 class _BackendAnswer:
     """Answers the lifecycle hooks of one cache by calling the backend's methods."""
 
-    def __init__(self, cache):
+    def __init__(self, cache: BasePrefixCache) -> None:
         self.cache = cache
 
     @hookspecs.hookimpl(trylast=True)
-    def cache_finished_req(self, req, is_insert):
+    def cache_finished_req(self, req: Req, is_insert: bool) -> bool:
         self.cache.cache_finished_req(req, is_insert)
         return True
 
     @hookspecs.hookimpl(trylast=True)
-    def cache_unfinished_req(self, req, chunked):
+    def cache_unfinished_req(self, req: Req, chunked: bool) -> bool:
         self.cache.cache_unfinished_req(req, chunked)
         return True
 
 
-def attach_lifecycle(cache) -> pluggy.PluginManager:
+def attach_lifecycle(cache: BasePrefixCache) -> pluggy.PluginManager:
     """Give ``cache`` its own plugin manager, with the backend as the answering implementation."""
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs.CacheLifecycleSpec)

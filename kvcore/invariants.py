@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +12,10 @@ from kvcore.errors import InvariantViolation
 from kvcore.pools.allocator import TokenToKVPoolAllocator
 from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align
+
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache
+    from kvcore.record import ReqKvInfo
 
 __all__ = ["InvariantChecker", "PoolReport"]
 
@@ -55,7 +59,7 @@ class InvariantChecker:
     free list and no free list holds a slot twice.
     """
 
-    def __init__(self, cache):
+    def __init__(self, cache: BasePrefixCache) -> None:
         self.cache = cache
 
     # -- helpers ---------------------------------------------------------------
@@ -130,7 +134,7 @@ class InvariantChecker:
             raise InvariantViolation(f"{type(cache).__name__}.sanity_check failed: {exc}") from exc
         return reports
 
-    def _record_slots(self, pool: PoolView, kv, page: int) -> tuple[torch.Tensor, int]:
+    def _record_slots(self, pool: PoolView, kv: ReqKvInfo, page: int) -> tuple[torch.Tensor, int]:
         """Slots a record owns in ``pool`` (in that pool's ids) and their count for the balance."""
         if pool.record_slots is not None:
             return pool.record_slots(kv)
@@ -151,7 +155,9 @@ class InvariantChecker:
             slots = pool.translate(slots)
         return slots, count
 
-    def _owned(self, pool: PoolView, live, idle, row_page: int) -> Iterator[tuple[str, torch.Tensor, str, int]]:
+    def _owned(
+        self, pool: PoolView, live: list[tuple[Any, Any]], idle: list[tuple[Any, Any]], row_page: int
+    ) -> Iterator[tuple[str, torch.Tensor, str, int]]:
         """Every owner of slots in ``pool``, one at a time: (name, slots as int64 on the CPU, bucket, count).
 
         Records first (bucket ``uncached`` or ``session``), then the cache's own
@@ -170,7 +176,8 @@ class InvariantChecker:
         except (IndexError, ValueError) as exc:  # a node's slot id the pools cannot even map
             raise InvariantViolation(f"[{pool.name}] a cached slot lies outside the pool: {exc}") from exc
 
-    def _check_pool(self, pool: PoolView, cached: tuple[int, int], live, idle, row_page: int) -> PoolReport:
+    def _check_pool(self, pool: PoolView, cached: tuple[int, int], live: list[tuple[Any, Any]],
+                    idle: list[tuple[Any, Any]], row_page: int) -> PoolReport:
         """Slot-level proof, in pages: each usable page is free exactly once or owned by exactly one owner.
 
         Memory is one int32 count per page (the free list is read as the

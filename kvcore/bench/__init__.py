@@ -5,6 +5,7 @@ Import cost stays low: the loop, the workloads and matplotlib load on use.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ def __getattr__(name: str) -> Any:
 
 
 def run_bench(backends: list[str], *, workload: str | Workload = "shared-prefix", seed: int = 0,
-              num_requests: int | None = None, trace: str | None = None, step_ms: float = 20.0, progress=None,
+              num_requests: int | None = None, trace: str | None = None, step_ms: float = 20.0,
+              progress: Callable[[str], Callable[[int, int], None]] | None = None,
               backend_options: dict[str, dict[str, Any]] | None = None, **config: Any) -> list[dict]:
     """Run one workload through each backend; returns one report dict per backend (see docs/bench.md).
 

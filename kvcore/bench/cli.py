@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -25,7 +26,7 @@ _WORKLOAD_HELP = (
 )
 
 
-def _line_progress(name: str):
+def _line_progress(name: str) -> Callable[[int, int], None]:
     """Progress for a stderr that is not a terminal: a line at once, then at most one a second, and at the end."""
     import time
 
@@ -391,7 +392,7 @@ def bench(
         bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
-        def progress(name: str):
+        def progress(name: str) -> Callable[[int, int], None]:
             task = bar.add_task(name, total=None)
 
             def update(done: int, total: int) -> None:

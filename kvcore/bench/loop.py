@@ -39,6 +39,7 @@ from kvcore.session import SessionNode
 
 if TYPE_CHECKING:
     from kvcore.bench.kvwriter import KVWriter
+    from kvcore.cache import BasePrefixCache
     from kvcore.pools.views import PoolView
 
 __all__ = [
@@ -138,7 +139,7 @@ def _write_kv(cfg: BenchConfig) -> bool:
     return cfg.write_kv if cfg.write_kv is not None else tiers or not str(cfg.device).startswith("cpu")
 
 
-def build_cache(cfg: BenchConfig, workload: Workload):
+def build_cache(cfg: BenchConfig, workload: Workload) -> tuple[BasePrefixCache, dict]:
     from kvcore.factory import create_cache
 
     opts = cache_options(cfg, workload.max_total_len)
@@ -191,6 +192,7 @@ class ServingLoop:
         self.workload = workload
         cache, opts = build_cache(cfg, workload)
         self.backend = cache
+        self.cache: BasePrefixCache
         self.use_sessions = cfg.sessions and any(s.session_id for s in workload.requests)
         if self.use_sessions:
             from kvcore.session import StreamingSession

@@ -7,7 +7,10 @@ later one is dashed over the earlier, and their markers sit at different steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["write_plot", "make_figure", "backend_styles"]
 
@@ -36,7 +39,7 @@ def _markevery(n: int, i: int, k: int) -> tuple[int, int] | None:
     return (min(n - 1, (i * every) // max(k, 1)), every)
 
 
-def make_figure(reports: list[dict]):
+def make_figure(reports: list[dict]) -> Figure:
     try:
         import matplotlib
     except ImportError:

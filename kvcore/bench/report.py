@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvcore.bench.loop import BenchConfig
 from kvcore.bench.metrics import RunResult
 from kvcore.bench.sizing import DEFAULT_KV_BUDGET
 from kvcore.bench.spec import Workload
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["SCHEMA_VERSION", "make_report", "render_table"]
 
@@ -87,8 +91,8 @@ def make_report(cfg: BenchConfig, workload: Workload, res: RunResult) -> dict[st
 
 
 # rows of the table: (label, getter, format, higher_is_better or None for no ratio)
-def _pool(name: str, key: str):
-    def get(r):
+def _pool(name: str, key: str) -> Callable[[dict], Any]:
+    def get(r: dict) -> Any:
         for p in r["pools"]:
             if p["name"] == name:
                 return p.get(key)
@@ -180,7 +184,7 @@ def table_rows(reports: list[dict]) -> list[list[str]]:
     return rows
 
 
-def render_table(reports: list[dict], title: str | None = None):
+def render_table(reports: list[dict], title: str | None = None) -> Table:
     """A rich Table with the metrics as rows and the backends as columns."""
     from rich.table import Table
 

@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -50,16 +50,21 @@ class WorkloadDef:
 
 WORKLOADS: dict[str, WorkloadDef] = {}
 
+# A workload function: ``fn(num_requests, seed)``, or with ``takes_trace`` the full build signature.
+_WorkloadFn = TypeVar("_WorkloadFn", bound=Callable[..., Workload])
+
 
 def register_workload(name: str, default_num_requests: int | None, summary: str, *, takes_trace: bool = False,
-                      favours: str | None = None):
+                      favours: str | None = None) -> Callable[[_WorkloadFn], _WorkloadFn]:
     """Decorator: register ``fn(num_requests, seed)`` (or, with ``takes_trace``, the full build signature)."""
 
-    def deco(fn):
+    def deco(fn: _WorkloadFn) -> _WorkloadFn:
+        build: Callable[[int | None, int, str | None, float], Workload]
         if takes_trace:
             build = fn
         else:
-            def build(n, seed, trace, step_ms, _fn=fn, _default=default_num_requests):
+            def build(n: int | None, seed: int, trace: str | None, step_ms: float, _fn: _WorkloadFn = fn,
+                      _default: int | None = default_num_requests) -> Workload:
                 return _fn(n or _default, seed)
         WORKLOADS[name] = WorkloadDef(name, default_num_requests, summary, build, takes_trace, favours)
         return fn

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvcore.stores.framing import frame, unframe
 
@@ -184,7 +185,7 @@ class KVStore(ABC):
 
     # -- the failure rule -----------------------------------------------------
 
-    def _guard(self, what: str, keys: list[str], call, trips: int | None = None):
+    def _guard(self, what: str, keys: list[str], call: Callable[[], Any], trips: int | None = None) -> Any:
         """Run one raw operation; on any exception count an error and answer None (the caller's miss)."""
         try:
             self._count(round_trips=self._round_trips(keys) if trips is None else trips)

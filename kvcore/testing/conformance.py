@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -26,10 +26,13 @@ from kvcore.testing.helpers import (
 )
 from kvcore.testing.profiles import state_machine_settings
 
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache, InsertResult
+
 __all__ = ["PrefixCacheConformance", "CacheStateMachine", "snapshot", "backend_page_sizes"]
 
 
-def snapshot(cache) -> tuple:
+def snapshot(cache: BasePrefixCache) -> tuple:
     """What must not change when a call is refused: sizes, free slots, owned slots."""
     owned = sorted((o.pool, o.owner, tuple(o.slots.tolist())) for o in cache.iter_owned_slots())
     return (
@@ -61,7 +64,7 @@ def _toks(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _insert_owned(cache, key: RadixKey, reuse: bool | None):
+def _insert_owned(cache: BasePrefixCache, key: RadixKey, reuse: bool | None) -> InsertResult | None:
     """Insert ``key`` with fresh slots and free what the cache did not keep; returns the InsertResult."""
     page = cache.page_size
     n = len(key)
@@ -140,7 +143,7 @@ class PrefixCacheConformance:
             return backend_page_sizes(cls.backend)
         return (1, 16)
 
-    def pytest_generate_tests(self, metafunc) -> None:
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         # pytest calls this for every test of the class: one run per page size.
         if "page_size" in metafunc.fixturenames:
             sizes = type(self).conformance_page_sizes()
@@ -156,16 +159,16 @@ class PrefixCacheConformance:
             )
         from kvcore.factory import create_cache
 
-        def build(**options):
+        def build(**options: Any) -> BasePrefixCache:
             return create_cache(name, **options)
 
         return build
 
     @pytest.fixture
-    def build(self, make_cache, page_size) -> Callable[..., Any]:
+    def build(self, make_cache: Callable[..., BasePrefixCache], page_size: int) -> Callable[..., Any]:
         """``build(pages=64, rows=8, width_pages=16, **extra)`` -> cache."""
 
-        def _build(pages: int = 64, rows: int = 8, width_pages: int = 16, **extra):
+        def _build(pages: int = 64, rows: int = 8, width_pages: int = 16, **extra: Any) -> BasePrefixCache:
             opts = dict(self.backend_options)
             opts.update(extra)
             cache = make_cache(
@@ -184,7 +187,7 @@ class PrefixCacheConformance:
 
     # -- scenarios --------------------------------------------------------------
 
-    def test_pools_exposed(self, build, page_size):
+    def test_pools_exposed(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         assert cache.page_size == page_size
         assert cache.token_to_kv_pool_allocator.page_size == page_size
@@ -192,7 +195,7 @@ class PrefixCacheConformance:
         assert cache.evictable_size() == cache.protected_size() == 0
         check_invariants(cache)
 
-    def test_empty_cache_matches_nothing(self, build, page_size):
+    def test_empty_cache_matches_nothing(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         for key in ([], [1, 2, 3], RadixKey(list(range(3 * page_size)), "ns")):
             m = cache.match_prefix(key)
@@ -200,13 +203,14 @@ class PrefixCacheConformance:
             assert m.device_indices.numel() == 0
         check_invariants(cache)
 
-    def test_insert_returns_prefix_len(self, build, page_size):
+    def test_insert_returns_prefix_len(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 3 * page_size + 1))
         first = _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
-        assert first.prefix_len == 0
+        assert first is not None and first.prefix_len == 0
         check_invariants(cache)
         second = _insert_owned(cache, RadixKey(key + [99] * page_size), self.supports_prefix_reuse)
+        assert second is not None
         check_invariants(cache)
         m = cache.match_prefix(key + [5])
         if self.supports_prefix_reuse:
@@ -218,7 +222,7 @@ class PrefixCacheConformance:
             assert m.device_indices.numel() == 0
         check_invariants(cache)
 
-    def test_match_is_page_aligned(self, build, page_size):
+    def test_match_is_page_aligned(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
         _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
@@ -232,7 +236,9 @@ class PrefixCacheConformance:
             assert got % page_size == 0
         check_invariants(cache)
 
-    def test_finished_request_returns_or_caches_every_slot(self, build, page_size):
+    def test_finished_request_returns_or_caches_every_slot(
+        self, build: Callable[..., BasePrefixCache], page_size: int
+    ) -> None:
         cache = build()
         total = pool_total(cache)
         rng = random.Random(1)
@@ -253,7 +259,7 @@ class PrefixCacheConformance:
             assert alloc.available_size() == total
         check_invariants(cache)
 
-    def test_lock_and_unlock(self, build, page_size):
+    def test_lock_and_unlock(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
         _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
@@ -272,7 +278,7 @@ class PrefixCacheConformance:
         assert (cache.evictable_size(), cache.protected_size()) == before
         check_invariants(cache)
 
-    def test_evict_frees_only_unlocked(self, build, page_size):
+    def test_evict_frees_only_unlocked(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         total = pool_total(cache)
         a = [1] * page_size + list(range(2, 2 + 2 * page_size))
@@ -297,13 +303,13 @@ class PrefixCacheConformance:
         assert cache.token_to_kv_pool_allocator.available_size() == total
         check_invariants(cache)
 
-    def test_evict_nothing(self, build):
+    def test_evict_nothing(self, build: Callable[..., BasePrefixCache]) -> None:
         cache = build()
         assert cache.evict(0).num_tokens_evicted == 0
         assert cache.evict(5).num_tokens_evicted == 0
         check_invariants(cache)
 
-    def test_extra_key_isolation(self, build, page_size):
+    def test_extra_key_isolation(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
         _insert_owned(cache, RadixKey(key, "tenant-a"), self.supports_prefix_reuse)
@@ -313,7 +319,7 @@ class PrefixCacheConformance:
         assert hit == (len(key) if self.supports_prefix_reuse else 0)
         # Same tokens under another namespace are a fresh insert.
         res = _insert_owned(cache, RadixKey(key, "tenant-b"), self.supports_prefix_reuse)
-        assert res.prefix_len == 0
+        assert res is not None and res.prefix_len == 0
         check_invariants(cache)
         # Requests carry their namespace too.
         r = make_req("r", key + [3], extra_key="tenant-c")
@@ -323,12 +329,12 @@ class PrefixCacheConformance:
         finish(cache, r)
         check_invariants(cache)
 
-    def test_bad_input_leaves_state_unchanged(self, build, page_size):
+    def test_bad_input_leaves_state_unchanged(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
         _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
         before = snapshot(cache)
-        bad_keys_type = ["abc", 3, None, {1: 2}, [1, 2.5], key[:page_size] + ["x"]]
+        bad_keys_type: list[Any] = ["abc", 3, None, {1: 2}, [1, 2.5], key[:page_size] + ["x"]]
         for bad in bad_keys_type:
             with pytest.raises(TypeError):
                 cache.match_prefix(bad)
@@ -350,7 +356,7 @@ class PrefixCacheConformance:
             assert snapshot(cache) == before
         check_invariants(cache)
 
-    def test_chunked_prefill_then_finish(self, build, page_size):
+    def test_chunked_prefill_then_finish(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         rng = random.Random(7)
         prompt = _toks(rng, 5 * page_size + 3)
@@ -378,7 +384,7 @@ class PrefixCacheConformance:
             finish(cache, other)
         check_invariants(cache)
 
-    def test_two_requests_share_a_prefix(self, build, page_size):
+    def test_two_requests_share_a_prefix(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         rng = random.Random(3)
         system = _toks(rng, 2 * page_size)
@@ -401,7 +407,7 @@ class PrefixCacheConformance:
         assert cache.protected_size() == 0
         check_invariants(cache)
 
-    def test_finish_without_insert(self, build, page_size):
+    def test_finish_without_insert(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         total = pool_total(cache)
         req = make_req("x", list(range(3 * page_size + 1)))
@@ -411,7 +417,7 @@ class PrefixCacheConformance:
         assert cache.evictable_size() == 0
         check_invariants(cache)
 
-    def test_all_slots_back_after_reset(self, build, page_size):
+    def test_all_slots_back_after_reset(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         total = pool_total(cache)
         rows = cache.req_to_token_pool.num_rows
@@ -436,7 +442,7 @@ class PrefixCacheConformance:
         assert cache.req_to_token_pool.available_size() == rows
         check_invariants(cache)
 
-    def test_streaming_session(self, build, page_size):
+    def test_streaming_session(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         from kvcore.session import StreamingSession
 
         cache = StreamingSession(build())
@@ -465,7 +471,7 @@ class PrefixCacheConformance:
         assert cache.token_to_kv_pool_allocator.available_size() == total
         check_invariants(cache)
 
-    def test_state_machine(self, build, page_size):
+    def test_state_machine(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         reuse = self.supports_prefix_reuse
 
         def factory() -> CacheStateMachine:
@@ -475,7 +481,7 @@ class PrefixCacheConformance:
             cast(Any, factory), settings=state_machine_settings(self.state_machine_examples, self.state_machine_steps)
         )
 
-    def test_fuzz(self, page_size):
+    def test_fuzz(self, page_size: int) -> None:
         """``kvcore fuzz`` in the author's own test run: seeded engine operations, bad inputs mixed in.
 
         The same engine as the command (:func:`kvcore.fuzz.run_fuzz`), so what it finds is found here
@@ -503,7 +509,7 @@ class CacheStateMachine(RuleBasedStateMachine):
     teardown finishes everything, resets, and proves every slot is back.
     """
 
-    def __init__(self, build, page_size: int, reuse: bool | None = None):
+    def __init__(self, build: Callable[..., BasePrefixCache], page_size: int, reuse: bool | None = None) -> None:
         super().__init__()
         self.page = page_size
         self.cache = build(pages=48, rows=6, width_pages=12)
@@ -522,7 +528,7 @@ class CacheStateMachine(RuleBasedStateMachine):
     tails = st.lists(st.integers(0, 4), max_size=40)
 
     @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, None, "x"]))
-    def match(self, stem, tail, extra):
+    def match(self, stem: int, tail: list[int], extra: str | None) -> None:
         key = self._key(stem, tail, extra)
         m = self.cache.match_prefix(RadixKey(key, extra))
         n = m.device_indices.numel()
@@ -531,7 +537,7 @@ class CacheStateMachine(RuleBasedStateMachine):
             assert n == 0
 
     @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, "x"]))
-    def insert(self, stem, tail, extra):
+    def insert(self, stem: int, tail: list[int], extra: str | None) -> None:
         key = RadixKey(self._key(stem, tail, extra), extra)
         res = _insert_owned(self.cache, key, self.reuse)
         if res is not None:
@@ -539,18 +545,18 @@ class CacheStateMachine(RuleBasedStateMachine):
             assert res.prefix_len <= len(key)
 
     @rule(stem=st.integers(0, 2), tail=tails)
-    def lock(self, stem, tail):
+    def lock(self, stem: int, tail: list[int]) -> None:
         m = self.cache.match_prefix(self._key(stem, tail, None))
         self.locks.append((m.last_device_node, self.cache.inc_lock_ref(m.last_device_node)))
 
     @precondition(lambda self: self.locks)
     @rule(i=st.integers(0, 100))
-    def unlock(self, i):
+    def unlock(self, i: int) -> None:
         node, lock = self.locks.pop(i % len(self.locks))
         self.cache.dec_lock_ref(node, lock)
 
     @rule(n=st.integers(0, 200))
-    def evict(self, n):
+    def evict(self, n: int) -> None:
         before = self.cache.evictable_size()
         res = self.cache.evict(n)
         assert res.num_tokens_evicted <= before
@@ -559,7 +565,7 @@ class CacheStateMachine(RuleBasedStateMachine):
 
     @rule(stem=st.integers(0, 2), tail=st.lists(st.integers(0, 4), min_size=1, max_size=60),
           extra=st.sampled_from([None, "x"]), chunk=st.sampled_from([None, 5, 17]))
-    def start(self, stem, tail, extra, chunk):
+    def start(self, stem: int, tail: list[int], extra: str | None, chunk: int | None) -> None:
         self.counter += 1
         req = make_req(f"q{self.counter}", self._key(stem, tail, extra), extra_key=extra)
         if len(req.fill_ids) + 16 > self.cache.req_to_token_pool.max_context_len:
@@ -574,14 +580,14 @@ class CacheStateMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), chunk=st.sampled_from([3, 16, 40]))
-    def continue_prefill(self, i, chunk):
+    def continue_prefill(self, i: int, chunk: int) -> None:
         req = self.live[i % len(self.live)]
         if req.kv.kv_committed_len < len(req.fill_ids):
             prefill(self.cache, req, req.kv.kv_committed_len + chunk)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), n=st.integers(1, 6))
-    def decode(self, i, n):
+    def decode(self, i: int, n: int) -> None:
         req = self.live[i % len(self.live)]
         width = self.cache.req_to_token_pool.max_context_len
         if req.kv.kv_committed_len == len(req.fill_ids) and req.seqlen + n < width:
@@ -589,19 +595,19 @@ class CacheStateMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), is_insert=st.booleans())
-    def finish(self, i, is_insert):
+    def finish(self, i: int, is_insert: bool) -> None:
         req = self.live.pop(i % len(self.live))
         finish(self.cache, req, is_insert=is_insert)
         assert not req.kv.is_held
 
     @invariant()
-    def invariants_hold(self):
+    def invariants_hold(self) -> None:
         check_invariants(self.cache, self.live)
         assert self.cache.evictable_size() >= 0 and self.cache.protected_size() >= 0
         if not self.locks and not self.live:
             assert self.cache.protected_size() == 0
 
-    def teardown(self):
+    def teardown(self) -> None:
         for req in self.live:
             finish(self.cache, req)
         self.live.clear()

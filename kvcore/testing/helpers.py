@@ -21,12 +21,16 @@ for that.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcore.engine import Engine
 from kvcore.record import Req
+
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache
+    from kvcore.record import RetractionBackup
 
 __all__ = [
     "make_req",
@@ -49,7 +53,7 @@ __all__ = [
 DEFAULT_TOKEN = 7
 
 
-def engine(cache) -> Engine:
+def engine(cache: BasePrefixCache) -> Engine:
     """The engine the helpers drive ``cache`` with: no prompt caching at prefill, no automatic session release."""
     return Engine(cache, cache_prompt=False, release_idle_sessions=False)
 
@@ -66,12 +70,12 @@ def make_req(
     return Req(rid, list(input_ids), list(output_ids), extra_key=extra_key, session_id=session_id)
 
 
-def alloc_slots(cache, n: int) -> torch.Tensor | None:
+def alloc_slots(cache: BasePrefixCache, n: int) -> torch.Tensor | None:
     """``n`` slots (page-aligned ``n`` when paged), after ``cache.make_room(n)`` once if short; None if still short."""
     return engine(cache).alloc_slots(n)
 
 
-def extend_slots(cache, req: Req, end: int) -> bool:
+def extend_slots(cache: BasePrefixCache, req: Req, end: int) -> bool:
     """Give ``req`` slots for row positions ``[kv_allocated_len, end)``; False (nothing changed) if short.
 
     With pages, positions inside the last partial page reuse that page (SGLang's
@@ -80,7 +84,7 @@ def extend_slots(cache, req: Req, end: int) -> bool:
     return engine(cache).extend_slots(req, end)
 
 
-def admit(cache, req: Req, max_prefix_len: int | None = None) -> bool:
+def admit(cache: BasePrefixCache, req: Req, max_prefix_len: int | None = None) -> bool:
     """Engine step 1: match, lock, take a row, write the prefix.  False (nothing held) when rows run out.
 
     ``max_prefix_len`` defaults to ``len(fill_ids) - 1`` (SGLang leaves one token to compute).
@@ -88,7 +92,7 @@ def admit(cache, req: Req, max_prefix_len: int | None = None) -> bool:
     return engine(cache).admit(req, max_prefix_len)
 
 
-def prefill(cache, req: Req, upto: int | None = None, *, chunked: bool | None = None) -> bool:
+def prefill(cache: BasePrefixCache, req: Req, upto: int | None = None, *, chunked: bool | None = None) -> bool:
     """Engine step 2: compute ``[committed, upto)`` (default: all of ``fill_ids``).
 
     When the chunk stops short of ``fill_ids`` (or ``chunked=True``) the committed
@@ -98,7 +102,7 @@ def prefill(cache, req: Req, upto: int | None = None, *, chunked: bool | None = 
     return engine(cache).extend(req, upto, chunked=chunked)
 
 
-def decode(cache, req: Req, n: int = 1, tokens: Iterable[int] | None = None) -> int:
+def decode(cache: BasePrefixCache, req: Req, n: int = 1, tokens: Iterable[int] | None = None) -> int:
     """Engine step 3: generate ``n`` tokens (default token: ``7``) one step at a time; returns how many got slots.
 
     Each step frees what left the window first (``cache.free_window_slots``).
@@ -113,7 +117,7 @@ def decode(cache, req: Req, n: int = 1, tokens: Iterable[int] | None = None) -> 
     return done
 
 
-def finish(cache, req: Req, is_insert: bool = True) -> None:
+def finish(cache: BasePrefixCache, req: Req, is_insert: bool = True) -> None:
     """Engine step 4: ``kvcore.release_kv_cache``.
 
     A request admitted with nothing allocated (no prefix hit, prefill never ran) is
@@ -122,12 +126,12 @@ def finish(cache, req: Req, is_insert: bool = True) -> None:
     engine(cache).finish(req, is_insert)
 
 
-def abort(cache, req: Req) -> None:
+def abort(cache: BasePrefixCache, req: Req) -> None:
     """Give back everything ``req`` holds without caching any of it (``Engine.abort``)."""
     engine(cache).abort(req)
 
 
-def retract(cache, req: Req, mode: str = "recompute"):
+def retract(cache: BasePrefixCache, req: Req, mode: str = "recompute") -> RetractionBackup | None:
     """Abort ``req`` and ``req.reset_for_retract()``, keeping ``swa_evict_floor`` (``Engine.retract``).
 
     ``mode="offload"`` first backs the request's KV up to the host; returns that
@@ -136,12 +140,12 @@ def retract(cache, req: Req, mode: str = "recompute"):
     return engine(cache).retract(req, mode)
 
 
-def resume(cache, req: Req) -> bool:
+def resume(cache: BasePrefixCache, req: Req) -> bool:
     """Bring an offload-retracted request back without recompute (``Engine.resume``); False if short."""
     return engine(cache).resume(req)
 
 
-def run_request(cache, req: Req, *, chunk: int | None = None, decode_tokens: int = 0) -> bool:
+def run_request(cache: BasePrefixCache, req: Req, *, chunk: int | None = None, decode_tokens: int = 0) -> bool:
     """Admit, prefill (in ``chunk``-token chunks), decode and finish one request."""
     eng = engine(cache)
     if not eng.admit(req):
@@ -159,13 +163,13 @@ def run_request(cache, req: Req, *, chunk: int | None = None, decode_tokens: int
     return ok
 
 
-def check_invariants(cache, owners: Iterable[Any] = ()) -> list:
+def check_invariants(cache: BasePrefixCache, owners: Iterable[Any] = ()) -> list:
     """``kvcore.InvariantChecker(cache).check(owners=...)``."""
     from kvcore.invariants import InvariantChecker
 
     return InvariantChecker(cache).check(owners=list(owners))
 
 
-def pool_total(cache) -> int:
+def pool_total(cache: BasePrefixCache) -> int:
     """Usable token slots of the ``full`` pool (the first pool ``cache.pools()`` lists)."""
     return cache.pools()[0].capacity

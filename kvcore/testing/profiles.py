@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import hypothesis
 
 __all__ = ["PROFILE_ENV", "Profile", "PROFILES", "current_profile", "state_machine_settings", "load_profile"]
 
@@ -52,7 +56,7 @@ def current_profile() -> Profile:
         raise ValueError(f"{PROFILE_ENV}={name!r}: choose one of {', '.join(PROFILES)}") from None
 
 
-def state_machine_settings(examples: int, steps: int):
+def state_machine_settings(examples: int, steps: int) -> hypothesis.settings:
     """Hypothesis settings for a kit state machine of ``examples`` x ``steps`` at the ``dev`` profile."""
     from hypothesis import HealthCheck, settings
 

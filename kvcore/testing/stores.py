@@ -30,11 +30,18 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvcore.stores import FRAME_OVERHEAD, KVStore, StoreNamespace, frame, open_store
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcore.cache import BasePrefixCache
+    from kvcore.record import Req
 
 __all__ = ["StoreConformance", "with_options"]
 
@@ -49,7 +56,7 @@ def with_options(url: str, **options: object) -> str:
     return url + sep + "&".join(f"{k}={v}" for k, v in options.items())
 
 
-def _eventually(check, what: str, deadline_s: float = 15.0) -> None:
+def _eventually(check: Callable[[], object], what: str, deadline_s: float = 15.0) -> None:
     """Poll ``check()`` (a bounded loop: a store may take a moment to reconnect or expire a key)."""
     end = time.monotonic() + deadline_s
     while not check():
@@ -98,7 +105,7 @@ class StoreConformance:
         return self.store_url
 
     @pytest.fixture
-    def keys(self, request) -> list[str]:
+    def keys(self, request: pytest.FixtureRequest) -> list[str]:
         return [f"kvcore-kit:{self._run}:{request.node.name}:{i}" for i in range(8)]
 
     # -- scenarios ---------------------------------------------------------------
@@ -242,7 +249,7 @@ class StoreConformance:
 # -- engines on a store: helpers for tier and fault tests -------------------------------------
 
 
-def row_kv(cache, req, n: int):
+def row_kv(cache: BasePrefixCache, req: Req, n: int) -> torch.Tensor:
     """K then V of every layer at the first ``n`` positions of ``req``'s row: ``(2 * layers, n, heads, dim)``."""
     import torch
 
@@ -253,7 +260,9 @@ def row_kv(cache, req, n: int):
                        + [pool.get_value_buffer(i)[slots] for i in layers]).clone()
 
 
-def serve_with_kv(cache, rid: str, tokens, seed: int = 0):
+def serve_with_kv(
+    cache: BasePrefixCache, rid: str, tokens: Iterable[int], seed: int = 0
+) -> tuple[Req, int, torch.Tensor]:
     """Admit and prefill ``tokens`` through the engine, writing seeded random K/V for what was computed.
 
     Returns ``(req, prefix_len, kv)``: the running request (finish it), how many tokens

@@ -29,8 +29,8 @@ state machine with window eviction and early unlocks.  Every scenario ends with
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -44,10 +44,15 @@ from kvcore.record import Req, floor_align
 from kvcore.testing.conformance import CacheStateMachine, PrefixCacheConformance
 from kvcore.testing.profiles import state_machine_settings
 
+if TYPE_CHECKING:
+    from kvcore.cache import BasePrefixCache, MatchResult
+    from kvcore.invariants import PoolReport
+    from kvcore.record import ReqKvInfo
+
 __all__ = ["SWACacheConformance", "SWACacheStateMachine", "SWAEngine", "window_slots_held", "pool_available"]
 
 
-def window_slots_held(kv, page_size: int = 1) -> int:
+def window_slots_held(kv: ReqKvInfo, page_size: int = 1) -> int:
     """Window slots a running record holds itself (DESIGN.md, "Window side").
 
     ``[cache_protected_len, kv_allocated_len)`` less ``[swa_dead_lo, swa_evicted_seqlen)``,
@@ -62,7 +67,7 @@ def window_slots_held(kv, page_size: int = 1) -> int:
     return held - max(0, dead_hi - dead_lo)
 
 
-def pool_available(cache) -> dict[str, int]:
+def pool_available(cache: BasePrefixCache) -> dict[str, int]:
     """Free slots per pool name (``cache.pools()``)."""
     return {v.name: v.available() for v in cache.pools()}
 
@@ -82,11 +87,11 @@ class SWAEngine:
 
     def __init__(
         self,
-        cache,
+        cache: BasePrefixCache,
         *,
         release_window_lock_after: int | None = None,
         sanity_check: Callable[[], Any] | None = None,
-    ):
+    ) -> None:
         self.cache = cache
         self.engine = Engine(cache, cache_prompt=False, release_idle_sessions=False)
         self.checker = InvariantChecker(cache)
@@ -99,13 +104,13 @@ class SWAEngine:
     def page_size(self) -> int:
         return self.engine.page_size
 
-    def check(self, extra=()) -> list:
+    def check(self, extra: Iterable[Any] = ()) -> list[PoolReport]:
         reports = self.checker.check(owners=list(self.live) + list(extra))
         if self.sanity_check is not None:
             self.sanity_check()
         return reports
 
-    def admit(self, req: Req, match=None) -> Req:
+    def admit(self, req: Req, match: MatchResult | None = None) -> Req:
         if not self.engine.admit(req, len(req.fill_ids)):
             raise RuntimeError("no req_to_token row left")
         self.live.append(req)
@@ -145,7 +150,7 @@ class SWAEngine:
         self.live.remove(req)
         self.engine.retract(req)
 
-    def run(self, prompt: Sequence[int], decode: Sequence[int] = (), rid: str = "r", **kw) -> Req:
+    def run(self, prompt: Sequence[int], decode: Sequence[int] = (), rid: str = "r", **kw: Any) -> Req:
         req = self.admit(Req(rid, list(prompt), **kw))
         self.prefill(req)
         for t in decode:
@@ -160,14 +165,14 @@ class SWACacheStateMachine(CacheStateMachine):
     ``sanity_check()`` recounts its sizes and LRU orders.
     """
 
-    def __init__(self, build, page_size: int, reuse: bool | None = None,
-                 self_check: Callable[[Any], Any] | None = None):
+    def __init__(self, build: Callable[..., BasePrefixCache], page_size: int, reuse: bool | None = None,
+                 self_check: Callable[[Any], Any] | None = None) -> None:
         super().__init__(build, page_size, reuse)
         self.self_check = self_check
 
     @rule(n=st.integers(0, 120), m=st.integers(0, 120))
-    def evict_both(self, n, m):
-        cache = self.cache
+    def evict_both(self, n: int, m: int) -> None:
+        cache: Any = self.cache  # evict(num_tokens, swa_num_tokens): the SWA backends' API, not BasePrefixCache's
         before = pool_available(cache)
         res = cache.evict(n, m)
         after = pool_available(cache)
@@ -178,7 +183,7 @@ class SWACacheStateMachine(CacheStateMachine):
 
     @precondition(lambda self: self.locks or self.live)
     @rule(i=st.integers(0, 100))
-    def release_window_lock(self, i):
+    def release_window_lock(self, i: int) -> None:
         holders = [(n, lk) for n, lk in self.locks] + [(r.last_node, r.lock) for r in self.live]
         node, lock = holders[i % len(holders)]
         if node is None or lock is None or lock.swa_released:
@@ -188,7 +193,7 @@ class SWACacheStateMachine(CacheStateMachine):
         self.cache.dec_swa_lock_only(node, lock)
 
     @rule()
-    def sanity(self):
+    def sanity(self) -> None:
         if self.self_check is not None:
             self.self_check(self.cache)
 
@@ -207,10 +212,10 @@ class SWACacheConformance(PrefixCacheConformance):
     swa_extra_options: dict = {}
 
     @pytest.fixture
-    def swa_cache(self, make_cache, page_size) -> Callable[..., Any]:
+    def swa_cache(self, make_cache: Callable[..., BasePrefixCache], page_size: int) -> Callable[..., Any]:
         """``swa_cache(window_pages=2, **options)``: a cache with W = window_pages pages."""
 
-        def build(window_pages: float = 2, **options):
+        def build(window_pages: float = 2, **options: Any) -> BasePrefixCache:
             p = page_size
             opts = dict(
                 page_size=p,
@@ -228,31 +233,31 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ helpers
 
-    def self_check(self, cache) -> None:
+    def self_check(self, cache: BasePrefixCache) -> None:
         """The backend's own consistency check, run after every engine check; override it (default: none)."""
 
-    def swa_engine(self, cache, **kw) -> SWAEngine:
+    def swa_engine(self, cache: BasePrefixCache, **kw: Any) -> SWAEngine:
         """An :class:`SWAEngine` over ``cache`` whose ``check`` also runs :meth:`self_check`."""
         return SWAEngine(cache, sanity_check=lambda: self.self_check(cache), **kw)
 
     @staticmethod
-    def _tree_only(cache) -> None:
+    def _tree_only(cache: BasePrefixCache) -> None:
         if cache.is_chunk_cache():
             pytest.skip("tree scenario: chunk caches keep no prefix")
 
     @staticmethod
-    def _pool_deltas(cache, before):
+    def _pool_deltas(cache: BasePrefixCache, before: tuple[int, int]) -> tuple[int, int]:
         now = SWACacheConformance._avail(cache)
         return now[0] - before[0], now[1] - before[1]
 
     @staticmethod
-    def _avail(cache):
+    def _avail(cache: BasePrefixCache) -> tuple[int, int]:
         a = pool_available(cache)
         return a["full"], a["swa"]
 
     # ------------------------------------------------------------------ traits and sizes
 
-    def test_swa_traits(self, swa_cache):
+    def test_swa_traits(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         views = cache.pools()
         assert [v.name for v in views][:2] == ["full", "swa"]
@@ -271,7 +276,7 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ decode frees the window
 
-    def test_swa_evict_floor_keeps_the_prompt_window(self, swa_cache):
+    def test_swa_evict_floor_keeps_the_prompt_window(self, swa_cache: Callable[..., Any]) -> None:
         """Prefill-aware SWA: ``swa_evict_floor`` keeps the prompt's window slots through a long decode.
 
         The window slots of ``[cache_protected_len, swa_dead_lo)`` stay mapped and the
@@ -306,7 +311,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert all(v.available() == v.capacity for v in cache.pools())
         eng.check()
 
-    def test_swa_decode_frees_out_of_window_slots(self, swa_cache):
+    def test_swa_decode_frees_out_of_window_slots(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         p, w = cache.page_size, cache.sliding_window_size
         eng = self.swa_engine(cache)
@@ -334,7 +339,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert all(v.available() == v.capacity for v in cache.pools())
         eng.check()
 
-    def test_swa_retract_mid_decode(self, swa_cache):
+    def test_swa_retract_mid_decode(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         p = cache.page_size
         eng = self.swa_engine(cache)
@@ -351,7 +356,7 @@ class SWACacheConformance(PrefixCacheConformance):
             assert m.prefix_len == 4 * p
         eng.check()
 
-    def test_swa_chunked_prefill(self, swa_cache):
+    def test_swa_chunked_prefill(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         p = cache.page_size
         eng = self.swa_engine(cache)
@@ -375,7 +380,7 @@ class SWACacheConformance(PrefixCacheConformance):
             assert cache.match_prefix(RadixKey(r.fill_ids[:full])).prefix_len == full
         eng.check()
 
-    def test_swa_session_turns(self, swa_cache):
+    def test_swa_session_turns(self, swa_cache: Callable[..., Any]) -> None:
         from kvcore.session import StreamingSession
 
         inner = swa_cache()
@@ -400,7 +405,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert all(v.available() == v.capacity for v in inner.pools())
         eng.check()
 
-    def test_swa_random_workload(self, swa_cache):
+    def test_swa_random_workload(self, swa_cache: Callable[..., Any]) -> None:
         """Mixed shared prefixes, chunked prefill, decode, early window unlock, evictions, retracts."""
         cache = swa_cache(window_pages=1.5, size=512 * 16, swa_size=96 * 16)
         p = cache.page_size
@@ -433,7 +438,7 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ tombstones
 
-    def _two_branches(self, cache, eng):
+    def _two_branches(self, cache: BasePrefixCache, eng: SWAEngine) -> tuple[list[int], list[int]]:
         """Tree: A=[0,4P) with children B=[4P,8P) and C=[4P,8P)' ; returns (key_b, key_c)."""
         p = cache.page_size
         key_b = _toks(8 * p, 0)
@@ -443,7 +448,7 @@ class SWACacheConformance(PrefixCacheConformance):
         eng.check()
         return key_b, key_c
 
-    def _tombstone_shared_prefix(self, cache, key_b, key_c) -> None:
+    def _tombstone_shared_prefix(self, cache: Any, key_b: list[int], key_c: list[int]) -> None:
         """Window-lock both leaves (W <= 4P covers only them) and window-evict A = [0, 4P)."""
         p = cache.page_size
         locks = []
@@ -459,7 +464,7 @@ class SWACacheConformance(PrefixCacheConformance):
             cache.dec_lock_ref(node, lock)
         assert cache.full_evictable_size() == 12 * p and cache.swa_evictable_size() == 8 * p
 
-    def test_swa_match_across_tombstone(self, swa_cache):
+    def test_swa_match_across_tombstone(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size  # W = 2P
@@ -477,7 +482,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.match_prefix(RadixKey(key_b[: 4 * p])).prefix_len == 0
         eng.check()
 
-    def test_swa_match_falls_back_to_last_valid_point(self, swa_cache):
+    def test_swa_match_falls_back_to_last_valid_point(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()  # W = 2P
         self._tree_only(cache)
         p = cache.page_size
@@ -498,7 +503,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.match_prefix(RadixKey(key + [1, 2])).prefix_len == 10 * p
         self.swa_engine(cache).check()
 
-    def test_swa_heal_tombstone(self, swa_cache):
+    def test_swa_heal_tombstone(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -515,7 +520,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.match_prefix(RadixKey(key_b[: 4 * p])).prefix_len == 4 * p
         eng.check()
 
-    def test_swa_heal_tombstone_under_a_full_lock(self, swa_cache):
+    def test_swa_heal_tombstone_under_a_full_lock(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -536,7 +541,7 @@ class SWACacheConformance(PrefixCacheConformance):
         eng.finish(holder)
         eng.check()
 
-    def test_swa_insert_stores_evicted_part_as_tombstone(self, swa_cache):
+    def test_swa_insert_stores_evicted_part_as_tombstone(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p, w = cache.page_size, cache.sliding_window_size
@@ -561,7 +566,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.swa_evictable_size() == 8 * p
         self.swa_engine(cache).check()
 
-    def test_swa_insert_all_dead_tail_is_not_kept(self, swa_cache):
+    def test_swa_insert_all_dead_tail_is_not_kept(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -576,7 +581,7 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ locks
 
-    def _chain(self, cache, eng, pages_per_node=2, nodes=3):
+    def _chain(self, cache: BasePrefixCache, eng: SWAEngine, pages_per_node: int = 2, nodes: int = 3) -> list[int]:
         """A chain of ``nodes`` internal-ish nodes of ``pages_per_node`` pages, via siblings."""
         p = cache.page_size
         n = pages_per_node * p
@@ -587,7 +592,7 @@ class SWACacheConformance(PrefixCacheConformance):
         eng.check()
         return key
 
-    def test_swa_window_lock_stops_at_the_window(self, swa_cache):
+    def test_swa_window_lock_stops_at_the_window(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()  # W = 2P
         self._tree_only(cache)
         p = cache.page_size
@@ -610,7 +615,7 @@ class SWACacheConformance(PrefixCacheConformance):
             cache.dec_lock_ref(m.last_device_node, lock)
         self.swa_engine(cache).check()
 
-    def test_swa_window_lock_survives_a_split(self, swa_cache):
+    def test_swa_window_lock_survives_a_split(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache(window_pages=3)  # W = 3P: the lock covers the leaf and the middle node
         self._tree_only(cache)
         p = cache.page_size
@@ -627,7 +632,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
         self.swa_engine(cache).check()
 
-    def test_swa_early_window_unlock(self, swa_cache):
+    def test_swa_early_window_unlock(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p, w = cache.page_size, cache.sliding_window_size
@@ -653,7 +658,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
         eng.check()
 
-    def test_swa_dec_lock_on_unlocked_node_is_rejected(self, swa_cache):
+    def test_swa_dec_lock_on_unlocked_node_is_rejected(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -668,7 +673,7 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ evict
 
-    def test_swa_evict_reports_both_counts(self, swa_cache):
+    def test_swa_evict_reports_both_counts(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -691,7 +696,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.full_evictable_size() == 0 and cache.swa_evictable_size() == 0
         eng.check()
 
-    def test_swa_full_eviction_removes_uncovered_tombstones(self, swa_cache):
+    def test_swa_full_eviction_removes_uncovered_tombstones(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -705,7 +710,7 @@ class SWACacheConformance(PrefixCacheConformance):
 
     # ------------------------------------------------------------------ errors
 
-    def test_swa_bad_insert_leaves_tree_unchanged(self, swa_cache):
+    def test_swa_bad_insert_leaves_tree_unchanged(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -731,7 +736,7 @@ class SWACacheConformance(PrefixCacheConformance):
         a.free(slots)
         eng.check()
 
-    def test_swa_extra_key_isolation(self, swa_cache):
+    def test_swa_extra_key_isolation(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -742,7 +747,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.match_prefix(RadixKey(_toks(4 * p, 0), "lora-a")).prefix_len == 4 * p
         eng.check()
 
-    def test_swa_state_machine(self, build, page_size):
+    def test_swa_state_machine(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         """The generic rules plus window eviction and early window unlocks."""
         reuse = self.supports_prefix_reuse
 

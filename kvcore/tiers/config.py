@@ -37,7 +37,7 @@ class TieredCacheConfig(TreeCacheConfig):
         return url
 
     @model_validator(mode="after")
-    def _check_tiers(self):
+    def _check_tiers(self) -> TieredCacheConfig:
         if self.host_size % self.page_size:
             raise ValueError(f"host_size={self.host_size} is not a multiple of page_size={self.page_size}")
         if (self.host_size or self.store) and self.kv_buffer is None:

@@ -34,7 +34,7 @@ class HiSparseConfig(CacheConfig):
     host_to_device_ratio: int = Field(2, description="logical and host slots per device slot")
 
     @model_validator(mode="after")
-    def _check_hisparse(self):
+    def _check_hisparse(self) -> HiSparseConfig:
         ps = self.page_size
         if self.host_to_device_ratio < 1:
             raise ValueError(

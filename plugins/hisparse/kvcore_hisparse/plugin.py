@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcore import hookimpl
 from kvcore_hisparse.cache import HiSparseCache
 from kvcore_hisparse.config import HiSparseConfig, HiSparsePools
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "hisparse",
         HiSparseCache,

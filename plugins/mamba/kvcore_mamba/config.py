@@ -45,7 +45,7 @@ class MambaConfig(TreeCacheConfig, MambaStateOptions):
         return value
 
     @model_validator(mode="after")
-    def _check_mamba(self):
+    def _check_mamba(self) -> MambaConfig:
         self.check_state_options(self.page_size)
         if self.eviction_policy != "lru":
             raise ValueError(

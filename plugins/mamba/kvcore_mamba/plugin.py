@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcore import hookimpl
 from kvcore_mamba.config import MambaConfig, MambaPools
 from kvcore_mamba.mamba_cache import MambaRadixCache
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "mamba",
         MambaRadixCache,

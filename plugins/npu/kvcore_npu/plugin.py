@@ -3,6 +3,8 @@
 Nothing here imports torch_npu: the device's ``why_unavailable`` only looks for it.
 """
 
+from collections.abc import Callable
+
 from kvcore import hookimpl
 from kvcore_npu import device
 from kvcore_npu.allocator import NPUPagedTokenToKVPoolAllocator
@@ -12,7 +14,7 @@ from kvcore_npu.memory_pool import NPUMHATokenToKVPool
 
 
 @hookimpl
-def kvcore_register_devices(register):
+def kvcore_register_devices(register: Callable[..., None]) -> None:
     register(
         "npu",
         why_unavailable=device.why_unavailable,
@@ -27,7 +29,7 @@ def kvcore_register_devices(register):
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "npu",
         build_npu_cache,

@@ -3,6 +3,8 @@
 Its eviction policies are the core's (``kvcore.tree.policies``), registered by kvcore itself.
 """
 
+from collections.abc import Callable
+
 from kvcore import hookimpl
 from kvcore.tiers import tiered
 from kvcore_radix.config import RadixConfig
@@ -10,7 +12,7 @@ from kvcore_radix.radix_cache import RadixCache
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "radix",
         tiered(RadixCache),

@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
@@ -49,7 +49,7 @@ def free_port(bus: bool = False) -> int:
     raise RuntimeError("no free loopback port found in 200 tries")
 
 
-def _wait(check, what: str, deadline_s: float = 20.0) -> None:
+def _wait(check: Callable[[], object], what: str, deadline_s: float = 20.0) -> None:
     end = time.monotonic() + deadline_s
     while True:
         try:

@@ -54,7 +54,7 @@ class SWAChunkConfig(SlidingWindowConfig):
     swa_size: int | None = Field(None, description="window-pool token slots (default: size)")
 
     @model_validator(mode="after")
-    def _check_swa_pool(self):
+    def _check_swa_pool(self) -> SWAChunkConfig:
         ps = self.page_size
         swa = self.swa_pool_size
         if swa <= 0:
@@ -90,7 +90,7 @@ class SWAConfig(TreeCacheConfig, SWAChunkConfig):
     """Options of the ``swa`` backend (SGLang's SWARadixCache): the window options and the tree's."""
 
     @model_validator(mode="after")
-    def _check_policy(self):
+    def _check_policy(self) -> SWAConfig:
         if self.eviction_policy != "lru":
             raise ValueError(
                 f"eviction_policy={self.eviction_policy!r} is not supported by the swa backend: it keeps two "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcore import hookimpl
 from kvcore_swa.chunk import SWAChunkCache
 from kvcore_swa.config import SWAChunkConfig, SWAConfig, SWAPools
@@ -10,7 +12,7 @@ from kvcore_swa.tree import SWARadixCache
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "swa",
         SWARadixCache,

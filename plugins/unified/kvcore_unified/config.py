@@ -46,7 +46,7 @@ class UnifiedConfig(TieredCacheConfig):
         return value
 
     @model_validator(mode="after")
-    def _check_component_options(self):
+    def _check_component_options(self) -> UnifiedConfig:
         if self.eviction_policy != "lru":
             raise ValueError(
                 f"eviction_policy={self.eviction_policy!r} is not supported by the unified backend: its full "

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 from kvcore import hookimpl
+from kvcore.config import CacheInitParams
 from kvcore.tiers import tiered
 from kvcore_unified.components import FullComponent, SWAComponent, SWAOptions
 from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedPools, UnifiedSWAConfig
@@ -10,14 +14,15 @@ from kvcore_unified.mamba import MambaComponent, MambaOptions
 from kvcore_unified.tree import UnifiedRadixCache
 
 
-def _full_only(params):
+def _full_only(params: CacheInitParams) -> None:
     # The host tier and the store hold full-attention pages; window and state components have no such page.
-    if tuple(params.config.components) != ("full",):
-        raise ValueError(f"host_size and store need components=('full',), got {tuple(params.config.components)!r}")
+    components = tuple(cast(UnifiedConfig, params.config).components)
+    if components != ("full",):
+        raise ValueError(f"host_size and store need components=('full',), got {components!r}")
 
 
 @hookimpl
-def kvcore_register_backends(register):
+def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "unified",
         tiered(UnifiedRadixCache, check=_full_only),
@@ -47,7 +52,7 @@ def kvcore_register_backends(register):
 
 
 @hookimpl
-def kvcore_register_components(register):
+def kvcore_register_components(register: Callable[..., None]) -> None:
     register("full", FullComponent, description="full-attention KV slots: path locks, leaf eviction by recency")
     register("swa", SWAComponent, options=SWAOptions,
              description="sliding-window slots: tombstones, window locks, window-only recency")
