@@ -47,6 +47,7 @@ from kvcore.config import CacheInitParams
 from kvcore.factory import attach_lifecycle
 from kvcore.plugins import get_backend, get_plugin_manager
 from kvcore.pools.views import PoolView
+from kvcore.record import ReqKvInfo
 from kvcore.tree.events import AllPagesCleared, PageRemoved, PageStored
 from kvcore_sglang.config import Target
 
@@ -159,6 +160,11 @@ class ReqToTokenPoolView:
     def free_rows(self) -> list[int]:
         return list(self.sglang.free_slots)
 
+    def holds(self, kv: Any) -> bool:
+        """Whether the record holds a row this pool handed out (SGLang keeps no holder per row: in range, not free)."""
+        row = kv.req_pool_idx
+        return row is not None and 1 <= int(row) <= int(self.sglang.size) and int(row) not in self.sglang.free_slots
+
 
 # ---------------------------------------------------------------------------- record views
 
@@ -216,6 +222,9 @@ class KvRecordView:
 
     def swa_dead_lo(self, page_size: int) -> int:
         return int(self.sglang.swa_dead_lo(page_size))
+
+    # kvcore's one check of a record's lengths (BasePrefixCache.check_req), on SGLang's record.
+    check_fields = ReqKvInfo.check_fields
 
     @property
     def is_held(self) -> bool:
