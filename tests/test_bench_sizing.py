@@ -189,10 +189,10 @@ def test_release_window_lock_needs_the_protocol_method(monkeypatch):
         chunk.dec_swa_lock_only(None)
     if "swa" not in INSTALLED:
         pytest.skip("kvcore-swa absent")
-    # A windowed backend that keeps the default refuses the option before anything runs.
+    # A windowed backend that does not declare the capability is refused before anything runs.
     cls = type(kvcore.create_cache("swa", size=64, swa_size=64, max_num_reqs=2, max_context_len=32,
                                    sliding_window_size=8))
-    monkeypatch.setattr(cls, "dec_swa_lock_only", kvcore.BasePrefixCache.dec_swa_lock_only)
+    monkeypatch.setattr(cls, "supports_window_lock_release", False)
     with pytest.raises(ValueError, match="--release-window-lock: backend .* cannot release"):
         run_bench(["swa"], workload="long-decode", num_requests=2, size=4096, window=64, release_window_lock=True)
 
