@@ -252,7 +252,7 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
     except (TypeError, OverflowError, ValueError) as exc:
         error = exc
     else:
-        if converted and max(converted) >> 63:
+        if converted and _largest(converted) >> 63:
             raise ValueError(f"token id {max(rest)} does not fit in a signed 64-bit int (array('q'), int64)")
         if not refuse_bools:
             return False
@@ -269,6 +269,13 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
         if t >= 1 << 63:
             raise ValueError(f"token id {t} does not fit in a signed 64-bit int (array('q'), int64)") from None
     raise TypeError(f"token ids must be non-negative ints below 2**63 ({error})") from None
+
+
+def _largest(converted: array) -> int:
+    """The largest id: one numpy reduction for long keys (Python's max makes an int per id)."""
+    if _np is not None and len(converted) >= _NUMPY_SCAN_FROM:
+        return int(_np.frombuffer(converted, _np.uint64).max())
+    return max(converted)
 
 
 def _maybe_zero_one(rest: list, converted: array) -> bool:
