@@ -150,7 +150,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.keys import RadixKey, check_token_ids
+from kvcore.keys import RadixKey, check_token_ids, checked_key
 from kvcore.record import Req, ReqKvInfo, RetractionBackup, ceil_align
 from kvcore.release import cache_unfinished_req, release_kv_cache
 from kvcore.session import StreamingSession
@@ -439,24 +439,26 @@ class Engine:
             raise ValueError(
                 f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); finish, abort or retract it first"
             )
-        self._check_prompt(req)
-        # A request that has generated nothing yet matches on its prompt: no fill_ids copy.
-        fill = req.fill_ids if req.output_ids else req.origin_input_ids
-        n = len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill))
-        key = RadixKey(fill[: max(n, 0)], req.extra_key)
+        return self._match(req, self._admission_key(req, max_prefix_len))
+
+    def _match(self, req: Req, key: RadixKey) -> Match:
         cache = self._cache
         result = cache.match_request(req, key)
         lock = cache.inc_lock_ref(result.last_device_node)
         return Match(req, result, lock, req.kv.is_held, int(result.device_indices.numel()))
 
     @staticmethod
-    def _check_prompt(req: Req) -> None:
-        """Every token id checked once, at admission, before a row, a slot, a state or a session moves."""
+    def _admission_key(req: Req, max_prefix_len: int | None) -> RadixKey:
+        """The match key, every token id of the request checked once, before a row, a slot, a state or a
+        session moves.  The key comes back marked checked, so the cache does not check it again."""
         if not req.origin_input_ids:
             raise ValueError(f"request {req.rid!r} has an empty prompt: nothing to compute (nothing was taken)")
-        check_token_ids(req.origin_input_ids)
-        if req.output_ids:
-            check_token_ids(req.output_ids)
+        # A request that has generated nothing yet matches on its prompt: no fill_ids copy.
+        fill = req.fill_ids if req.output_ids else req.origin_input_ids
+        n = max(len(fill) - 1 if max_prefix_len is None else min(max_prefix_len, len(fill)), 0)
+        key = checked_key(RadixKey(fill[:n], req.extra_key))
+        check_token_ids(fill, n)  # the ids past the key (the last prompt token) too
+        return key
 
     def cancel(self, m: Match) -> None:
         """Give back what ``match`` took: the lock (and a restored session record)."""
@@ -475,14 +477,14 @@ class Engine:
             if req.kv.is_held:
                 raise ValueError(f"request {req.rid!r} already holds KV (row {req.kv.req_pool_idx}); "
                                  "finish, abort or retract it first")
-            self._check_prompt(req)
+            key = self._admission_key(req, max_prefix_len)
             if (
                 not self.session_is_live(req.session_id)
                 and self._r2t.available_size() == 0
                 and not (self.release_idle_sessions and self._free_a_row(req.session_id))
             ):
                 return False
-            matched = self.match(req, max_prefix_len)
+            matched = self._match(req, key)
         elif matched.req is not req:
             raise ValueError(f"the match was made for {matched.req.rid!r}, not {req.rid!r}")
         m = matched
