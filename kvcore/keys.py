@@ -12,7 +12,6 @@ import torch
 __all__ = ["RadixKey", "KeyLike", "as_radix_key", "check_token_ids", "checked_key", "token_id_list"]
 
 # A bool token id equals one of these: check_token_ids scans types only when one is present.
-_ZERO_ONE = frozenset((0, 1))
 _UNSIGNED_CODES = frozenset("BHILQ")
 _SIGNED_CODES = frozenset("bhilq")
 _INT_CODES = _UNSIGNED_CODES | _SIGNED_CODES
@@ -23,6 +22,17 @@ try:
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy comes with torch in practice
     _np = None  # type: ignore[assignment]
+
+
+def _array_ids_valid(a: array) -> bool:
+    """True when every item of an integer array is a valid id (non-negative, below 2**63).
+
+    A signed array: no item negative.  An unsigned one: narrower than 8 bytes, or no
+    item with its top bit set (>= 2**63) -- the same test of each item's high byte.
+    """
+    if a.typecode in _UNSIGNED_CODES and a.itemsize < 8:
+        return True
+    return _signed_array_nonneg(a)
 
 
 def _signed_array_nonneg(a: array) -> bool:
@@ -39,7 +49,8 @@ def token_id_list(token_ids: Any) -> tuple[list, bool]:
     Lists are taken as they are (not copied) and must still be checked.
     ``array`` (integer typecodes), 1-D integer numpy arrays and 1-D integer
     tensors become lists of exact ints through ``tolist()``; their ids are known
-    valid once a sign test passes (an unsigned container needs none), so a cache
+    valid once a sign test passes (a narrow unsigned container needs none; an
+    8-byte one is tested for ids past int64), so a cache
     never scans them again.  Tuples, ranges and other sequences are copied into a
     list and checked later.  Raises TypeError for a float, bool or multi-dim
     container, or for something that is not a sequence of ids.
@@ -49,10 +60,8 @@ def token_id_list(token_ids: Any) -> tuple[list, bool]:
         return token_ids, False
     if tp is array:
         code = token_ids.typecode
-        if code in _UNSIGNED_CODES:
-            return token_ids.tolist(), True
-        if code in _SIGNED_CODES:
-            return token_ids.tolist(), _signed_array_nonneg(token_ids)
+        if code in _INT_CODES:
+            return token_ids.tolist(), _array_ids_valid(token_ids)
         raise TypeError(f"an array key must hold integers, got typecode {code!r}")
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1 or token_ids.is_floating_point() or token_ids.is_complex() \
@@ -84,14 +93,14 @@ def token_id_list(token_ids: Any) -> tuple[list, bool]:
 
 
 def _known_nonneg(ids: list, unsigned: bool) -> bool:
-    """Exact ints from ``tolist()``: valid unless one is negative (then the full check names it)."""
-    if unsigned or not ids:
+    """Exact ints from ``tolist()``: valid unless one is negative or past int64 (then the full check names it)."""
+    if not ids:
         return True
     try:
-        array("Q", ids)
+        converted = array("q", ids)
     except OverflowError:
         return False
-    return True
+    return unsigned or _smallest(converted) >= 0
 
 
 class RadixKey:
@@ -125,7 +134,7 @@ class RadixKey:
         elif type(token_ids) is array and token_ids.typecode in _INT_CODES:
             self._ids = None
             self._src = token_ids
-            self.validated = token_ids.typecode in _UNSIGNED_CODES or _signed_array_nonneg(token_ids)
+            self.validated = _array_ids_valid(token_ids)
         else:
             self._ids, self.validated = token_id_list(token_ids)
         self.extra_key = extra_key
@@ -232,13 +241,13 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
 
     Bools are ints to Python but never token ids: refused too (a cache built
     with ``strict=False`` skips that with ``refuse_bools=False``).  A bool
-    equals 0 or 1, so the type scan runs only when a 0 or 1 is present; that is
-    ruled out by a set probe per id, or for long keys by one numpy pass over
-    the converted array.
+    equals 0 or 1, so the type scan runs only when a 0 or 1 is present; the
+    smallest converted id (one numpy argmin for long keys) rules that out, and
+    negative ids with it.
 
-    ``array("Q", ...)`` converts in C and refuses floats, strings, negative and
-    too-large numbers in one pass, so a valid key costs no per-token Python loop;
-    only a refused key is walked again to name the first bad id:
+    ``array("q", ...)`` converts in C and refuses floats, strings and ids past
+    int64 in one pass, so a valid key costs no per-token Python loop; only a
+    refused key is walked again to name the first bad id:
 
     * ``TypeError("token ids must be ints, got float (1.5)")``
     * ``ValueError("token ids must be non-negative, got -1")``
@@ -248,19 +257,21 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
         return True
     rest = ids[start:] if start else ids
     try:
-        converted = array("Q", rest)
+        # One C pass: refuses floats, strings and ids past int64 (SGLang's array("q")) at once.
+        converted = array("q", rest)
     except (TypeError, OverflowError, ValueError) as exc:
-        error = exc
+        error: Exception = exc
     else:
-        if converted and _largest(converted) >> 63:
-            raise ValueError(f"token id {max(rest)} does not fit in a signed 64-bit int (array('q'), int64)")
-        if not refuse_bools:
+        low = _smallest(converted)
+        if low >= 0:
+            if not refuse_bools:
+                return False
+            if low > 1:
+                return True  # no 0 or 1, so no bool either
+            if bool in map(type, rest):
+                raise TypeError(f"token ids must be ints, got bool ({next(t for t in rest if type(t) is bool)!r})")
             return False
-        if not _maybe_zero_one(rest, converted):
-            return True
-        if bool in map(type, rest):
-            raise TypeError(f"token ids must be ints, got bool ({next(t for t in rest if type(t) is bool)!r})")
-        return False
+        error = ValueError("negative id")
     for t in rest:
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(f"token ids must be ints, got {type(t).__name__} ({t!r})") from None
@@ -271,19 +282,12 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
     raise TypeError(f"token ids must be non-negative ints below 2**63 ({error})") from None
 
 
-def _largest(converted: array) -> int:
-    """The largest id: one numpy reduction for long keys (Python's max makes an int per id)."""
+def _smallest(converted: array) -> int:
+    """The smallest id: argmin and one read for long keys (a fraction of min()'s reduction overhead)."""
     if _np is not None and len(converted) >= _NUMPY_SCAN_FROM:
-        return int(_np.frombuffer(converted, _np.uint64).max())
-    return max(converted)
-
-
-def _maybe_zero_one(rest: list, converted: array) -> bool:
-    """Whether ``rest`` may hold a 0 or 1 (so possibly a bool); False is certain."""
-    if _np is not None and len(rest) >= _NUMPY_SCAN_FROM:
-        u = _np.frombuffer(converted, _np.uint64)
-        return bool(u[u.argmin()] <= 1)  # argmin and one read: a fraction of min()'s reduction overhead
-    return not _ZERO_ONE.isdisjoint(rest)
+        v = _np.frombuffer(converted, _np.int64)
+        return int(v[v.argmin()])
+    return min(converted)
 
 
 def checked_key(key: KeyLike) -> RadixKey:
