@@ -493,11 +493,8 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value)
         prev = ins.prev_prefix_len
         if prev < pos:
-            if self.strict:
-                # The caller's copies of what the tree held are freed here: they must be the caller's
-                # (a node's own slots given back as "duplicates" would be freed while the node keeps them).
-                self.token_to_kv_pool_allocator.check_claimable(value[prev:pos], what="insert (duplicates)")
-            # The caller's copies of what the tree held (SGLang frees them per node).
+            # The caller's copies of what the tree held (SGLang frees them per node).  Under strict the
+            # allocator's free refuses a node's own slots given back as "duplicates" (use after free).
             self.token_to_kv_pool_allocator.free(value[prev:pos])
         ins.prefix_len = pos
         if pos < n:
