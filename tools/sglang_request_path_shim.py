@@ -139,6 +139,10 @@ class World:
         """Tokens an allocation can get, evicting as it must (PrefillAdder's free + evictable)."""
         return self.alloc.available_size() + self.cache.evictable_size()
 
+    def admit_room(self) -> int:
+        """What admitting a whole prompt may take (PrefillAdder's budget)."""
+        return self.room()
+
     def free_now(self) -> int:
         return self.alloc.available_size()
 
@@ -230,16 +234,18 @@ class World:
         return (kv.req_pool_idx, kv.cache_protected_len, kv.kv_committed_len, kv.kv_allocated_len, row,
                 r.prefix_indices.tolist(), list(r.output_ids))
 
-    def state(self) -> dict:
+    def pool_state(self) -> dict:
         a = self.alloc
+        return {"free_pages": a.free_pages.tolist(), "release_pages": a.release_pages.tolist(),
+                "available": a.available_size()}
+
+    def state(self) -> dict:
         cache = self.cache
         return {
-            "free_pages": a.free_pages.tolist(),
-            "release_pages": a.release_pages.tolist(),
-            "available": a.available_size(),
+            **self.pool_state(),
             "rows": list(self.r2t.free_slots),
-            "evictable": cache.evictable_size(),
-            "protected": cache.protected_size(),
+            "evictable": cache.evictable_size() if not self.is_hybrid_swa else None,
+            "protected": cache.protected_size() if not self.is_hybrid_swa else None,
             "total": None if cache.is_chunk_cache() else full_total(cache),
             "tree": None if cache.is_chunk_cache() else tree_dump(cache.root_node),
             "reqs": {rid: self.req_state(r) for rid, r in sorted(self.reqs.items())},
@@ -293,8 +299,7 @@ class SWAWorld(World):
 
     def make_allocator(self, size: int, page_size: int, params: dict) -> Any:
         pool = SWAKVPool(size=size, size_swa=self.swa_size, page_size=page_size, dtype=torch.float16, head_num=1,
-                         head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu",
-                         enable_kvcache_transpose=False)
+                         head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
         return SWATokenToKVPoolAllocator(size, self.swa_size, page_size, torch.float16, "cpu", pool, False)
 
     def sglang_cache(self, cache_kind: str, init: Any) -> Any:
@@ -304,6 +309,11 @@ class SWAWorld(World):
     def room(self) -> int:
         a, c = self.alloc, self.cache
         return min(a.full_available_size() + c.full_evictable_size(), a.swa_available_size() + c.swa_evictable_size())
+
+    def admit_room(self) -> int:
+        # The whole prompt needs full slots; of the window pool only each chunk's (chunks are cached
+        # as they run, and window eviction frees what left the window).
+        return self.alloc.full_available_size() + self.cache.full_evictable_size()
 
     def free_now(self) -> int:
         return min(self.alloc.full_available_size(), self.alloc.swa_available_size())
@@ -349,20 +359,24 @@ class SWAWorld(World):
         return (*super().req_state(r), r.kv.swa_evicted_seqlen, r.swa_prefix_lock_released,
                 r.swa_uuid_for_lock is None)
 
-    def state(self) -> dict:
+    def pool_state(self) -> dict:
         a, c = self.alloc, self.cache
+        return {
+            "free_pages": a.full_attn_allocator.free_pages.tolist(),
+            "release_pages": a.full_attn_allocator.release_pages.tolist(),
+            "swa_free_pages": a.swa_attn_allocator.free_pages.tolist(),
+            "swa_release_pages": a.swa_attn_allocator.release_pages.tolist(),
+            "mapping": a.full_to_swa_index_mapping.tolist(),
+            "available": (a.full_available_size(), a.swa_available_size()),
+            "sizes": (c.full_evictable_size(), c.full_protected_size(), c.swa_evictable_size(),
+                      c.swa_protected_size()),
+        }
+
+    def state(self) -> dict:
         out = super().state()
+        # SGLang's SWARadixCache answers the plain sizes by raising: the four above stand for them.
         del out["evictable"], out["protected"]
-        out.update(
-            free_pages=a.full_attn_allocator.free_pages.tolist(),
-            release_pages=a.full_attn_allocator.release_pages.tolist(),
-            swa_free_pages=a.swa_attn_allocator.free_pages.tolist(),
-            swa_release_pages=a.swa_attn_allocator.release_pages.tolist(),
-            mapping=a.full_to_swa_index_mapping.tolist(),
-            available=(a.full_available_size(), a.swa_available_size()),
-            sizes=(c.full_evictable_size(), c.full_protected_size(), c.swa_evictable_size(), c.swa_protected_size()),
-            total=c.total_size(),
-        )
+        out["total"] = self.cache.total_size()
         return out
 
     def check_memory(self) -> None:
@@ -407,8 +421,10 @@ def tree_dump(root: Any) -> list:
         value = [] if holder.value is None or isinstance(holder.value, list) else holder.value.tolist()
         full = path + tuple(key)
         # The root is never evicted: SGLang's unified root holds no lock where its RadixCache root holds one.
-        row: tuple = (full, value, holder.lock_ref if node is not root else None)
-        if hasattr(node, "swa_lock_ref"):
+        windowed = hasattr(node, "swa_lock_ref")
+        lock = None if node is root else node.full_lock_ref if windowed else holder.lock_ref
+        row: tuple = (full, value, lock)
+        if windowed:
             row += (node.swa_lock_ref, bool(node.swa_tombstone)) if node is not root else (None, None)
         out.append(row)
         for child in node.children.values():
@@ -421,8 +437,11 @@ def tree_dump(root: Any) -> list:
 
 def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, steps: int,
                chunks: tuple[int, ...] = (8, 16, 1000), world: type[World] = World, size: int = 112,
-               world_options: dict | None = None, **params: Any) -> dict:
-    """One seeded stream through SGLang's cache and the kvcore one; returns how often each step ran."""
+               world_options: dict | None = None, finish_weight: float = 2, **params: Any) -> dict:
+    """One seeded stream through SGLang's cache and the kvcore one; returns how often each step ran.
+
+    ``finish_weight`` against decode's 5: lower makes requests decode longer (past a window).
+    """
     rng = random.Random(seed)
     # Small pools: allocation often has to evict (evict_from_tree_cache) and admission to retract.
     kw = dict(size=size, page_size=page_size, rows=8, width=256, **(world_options or {}), **params)
@@ -454,7 +473,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             "admit": 3 if waiting and live < 6 else 0,
             "chunk": 4 if prefilling else 0,
             "decode": 5 if running else 0,
-            "finish": 2 if running else 0,
+            "finish": finish_weight if running else 0,
             "abort": 0.6 if live else 0,
             "evict": 0.4,
             "probe": 0.8,
@@ -474,7 +493,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             req = ref.reqs[rid]
             # PrefillAdder's budget: what the whole prompt needs must fit in free + evictable.
             want = len(req.origin_input_ids) + len(req.output_ids)
-            if need_tokens(want) > ref.room():
+            if need_tokens(want) > ref.admit_room():
                 counts["pressure"] += 1
                 if running:
                     victim = running.pop(rng.randrange(len(running)))

@@ -31,6 +31,9 @@ class Target(BaseModel):
 TARGETS: tuple[Target, ...] = (
     Target(name="kvcore-radix", backend="radix", serves=("full",),
            description="kvcore's radix tree (SGLang's RadixCache) for full-attention models"),
+    Target(name="kvcore-swa", backend="swa", serves=("hybrid-swa",),
+           description="kvcore's sliding-window tree (SGLang's SWARadixCache) for hybrid SWA models, on SGLang's "
+           "SWATokenToKVPoolAllocator"),
     Target(name="kvcore-unified", backend="unified", serves=("full",),
            description="kvcore's unified tree (SGLang's default UnifiedRadixCache), component full, for "
            "full-attention models"),

@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool  # type: ignor
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # type: ignore[import-not-found,unused-ignore]
 
 import kvcore
+from kvcore.cache import LockResult
 from kvcore.config import CacheInitParams
 from kvcore.factory import attach_lifecycle
 from kvcore.plugins import get_backend, get_plugin_manager
@@ -54,9 +55,12 @@ from kvcore_sglang.config import Target
 __all__ = [
     "AllocatorView",
     "KvRecordView",
+    "KvcoreSWATreeCache",
     "KvcoreTreeCache",
     "ReqToTokenPoolView",
     "ReqView",
+    "SWAAllocatorView",
+    "SWAReqView",
     "UnsupportedContext",
     "build_tree_cache",
     "owner_of",
@@ -130,6 +134,95 @@ class AllocatorView:
 
     def pool_views(self) -> list[PoolView]:
         return [PoolView("full", self)]
+
+
+class SWAAllocatorView:
+    """kvcore's ``SWATokenToKVPoolAllocator`` over SGLang's (a full and a window pool joined by a map).
+
+    kvcore-swa's tree calls what SGLang's ``SWARadixCache`` calls (``free``,
+    ``free_full``, ``free_swa``, ``free_kv_row_segments``, the full-to-window map
+    it re-points when it heals a locked tombstone), all answered by SGLang's own
+    allocator, so both free lists and the map are SGLang's.
+    """
+
+    def __init__(self, allocator: Any):
+        self.sglang = allocator
+        self.page_size = int(allocator.page_size)
+        self.device = allocator.device
+        self.full = AllocatorView(allocator.full_attn_allocator)
+        self.swa = AllocatorView(allocator.swa_attn_allocator)
+
+    @property
+    def size_full(self) -> int:
+        return int(self.sglang.size_full)
+
+    @property
+    def size_swa(self) -> int:
+        return int(self.sglang.size_swa)
+
+    @property
+    def full_to_swa_index_mapping(self) -> torch.Tensor:
+        return self.sglang.full_to_swa_index_mapping
+
+    def available_size(self) -> int:
+        return int(self.sglang.available_size())
+
+    def full_available_size(self) -> int:
+        return int(self.sglang.full_available_size())
+
+    def swa_available_size(self) -> int:
+        return int(self.sglang.swa_available_size())
+
+    def full_free_slots(self) -> torch.Tensor:
+        return self.full.free_slots()
+
+    def swa_free_slots(self) -> torch.Tensor:
+        return self.swa.free_slots()
+
+    def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
+        return self.sglang.full_to_swa_index_mapping[torch.as_tensor(indices).to(torch.int64)]
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self.sglang.alloc(need_size)
+
+    def alloc_extend(self, *args: Any) -> torch.Tensor | None:
+        return self.sglang.alloc_extend(*args)
+
+    def alloc_decode(self, *args: Any) -> torch.Tensor | None:
+        return self.sglang.alloc_decode(*args)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.sglang.free(free_index)
+
+    def free_full(self, free_index: torch.Tensor) -> None:
+        self.sglang.free_full(free_index)
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        self.sglang.free_swa(free_index)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
+        self.sglang.free_segment(free_index, start_pos=start_pos)
+
+    def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
+        self.sglang.free_segments(list(segments))
+
+    def free_row_segments(
+        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
+    ) -> None:
+        # SGLang's own row release: below the window cursor the full side alone (free_full).
+        free_kv_row_segments(self.sglang, list(segments), swa_evicted_seqlen=swa_evicted_seqlen)
+
+    def free_group_begin(self) -> None:
+        self.sglang.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.sglang.free_group_end()
+
+    def pool_views(self) -> list[PoolView]:
+        return [
+            PoolView("full", self.full),
+            PoolView("swa", self.swa, translate=self.translate_loc_from_full_to_swa, windowed=True),
+        ]
 
 
 class ReqToTokenPoolView:
@@ -298,6 +391,37 @@ class ReqView:
         self.sglang.prefix_indices = value
 
 
+class SWAReqView(ReqView):
+    """A request of a hybrid SWA model: its lock is SGLang's own pair of fields.
+
+    SGLang's scheduler keeps where a request's window lock stopped in
+    ``req.swa_uuid_for_lock`` (from ``inc_lock_ref``) and whether the window part
+    went back early in ``req.swa_prefix_lock_released`` (``dec_swa_lock_only``); the
+    kvcore lock handed to kvcore-swa is made from them, and a new lock is written
+    back to them, so the scheduler's own calls and the cache's agree.
+    """
+
+    __slots__ = ()
+
+    @property
+    def lock(self) -> Any:
+        req = self.sglang
+        if req.last_node is None:
+            return None
+        lock = LockResult(stop=req.swa_uuid_for_lock)
+        if req.swa_prefix_lock_released:
+            lock.released_early.add("swa")
+        return lock
+
+    @lock.setter
+    def lock(self, lock: Any) -> None:
+        req = self.sglang
+        # SGLang's cache_finished_req / cache_unfinished_req clear the early-release mark.
+        req.swa_prefix_lock_released = False
+        if lock is not None:
+            req.swa_uuid_for_lock = lock.stop
+
+
 class _Owner:
     """A running SGLang request as :class:`kvcore.InvariantChecker` names and reads it."""
 
@@ -367,6 +491,9 @@ class KvcoreTreeCache(BasePrefixCache):
     backend runs on views of the same objects.
     """
 
+    # How this cache's kvcore backend reads SGLang's Req.
+    req_view: type[ReqView] = ReqView
+
     def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
         self.target = target
         # SGLang's UnifiedRadixCache, disabled, calls itself a chunk cache (its RadixCache does not).
@@ -422,7 +549,7 @@ class KvcoreTreeCache(BasePrefixCache):
         if self.disable_finished_insert:
             is_insert = False
         fill_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        view = ReqView(req, fill_ids, kv_len_to_handle, self._locks)
+        view = self.req_view(req, fill_ids, kv_len_to_handle, self._locks)
         self.kvcore_cache.hook.cache_finished_req(req=view, is_insert=is_insert)
         self._flush_events()
 
@@ -436,7 +563,7 @@ class KvcoreTreeCache(BasePrefixCache):
         else:
             fill_ids = req.get_fill_ids()
             committed = len(fill_ids)
-        view = ReqView(req, fill_ids, committed, self._locks)
+        view = self.req_view(req, fill_ids, committed, self._locks)
         self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
         self._flush_events()
 
@@ -476,6 +603,76 @@ class KvcoreTreeCache(BasePrefixCache):
         if self._events is not None:
             self._events.feed(self.kvcore_cache.take_events())
 
+
+
+class KvcoreSWATreeCache(KvcoreTreeCache):
+    """SGLang 0.5.19's ``SWARadixCache`` contract answered by kvcore-swa on SGLang's ``SWATokenToKVPoolAllocator``.
+
+    On top of the base: the window (``supports_swa``, ``sliding_window_size``), the
+    four full/window sizes, ``total_size() -> (full, swa)``, SGLang's window lock
+    handles (``swa_uuid_for_lock`` in ``IncLockRefResult``, ``DecLockRefParams`` and
+    ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction.
+    """
+
+    req_view = SWAReqView
+
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
+        super().__init__(target, kvcore_cache, params)
+        self.sliding_window_size = int(kvcore_cache.sliding_window_size)
+
+    def supports_swa(self) -> bool:
+        return True
+
+    # -- eviction and locks
+    def evict(self, params: EvictParams) -> EvictResult:
+        start = time.perf_counter()
+        done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
+        # SGLang's SWARadixCache reports full + window tokens to its metrics.
+        self.update_eviction_metrics(done.num_tokens_evicted + done.swa_num_tokens_evicted, start)
+        self._flush_events()
+        return EvictResult(num_tokens_evicted=done.num_tokens_evicted,
+                           swa_num_tokens_evicted=done.swa_num_tokens_evicted)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        # SGLang's SWARadixCache reports no delta, only where the window lock stopped.
+        return IncLockRefResult(swa_uuid_for_lock=self.kvcore_cache.inc_lock_ref(node).stop)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None, skip_swa: bool = False
+                     ) -> DecLockRefResult:
+        lock = LockResult(stop=None if params is None else params.swa_uuid_for_lock)
+        if skip_swa:
+            lock.released_early.add("swa")
+        self.kvcore_cache.dec_lock_ref(node, lock)
+        return DecLockRefResult()
+
+    def dec_swa_lock_only(self, node: Any, swa_uuid_for_lock: int | None = None,
+                          skip_lock_node_ids: Any = None) -> None:
+        # skip_lock_node_ids: SGLang's own signature parity; its SWARadixCache ignores it too.
+        self.kvcore_cache.dec_swa_lock_only(node, LockResult(stop=swa_uuid_for_lock))
+
+    # -- sizes (SGLang's SWARadixCache raises for the plain ones; the full side is answered)
+    def full_evictable_size(self) -> int:
+        return int(self.kvcore_cache.full_evictable_size())
+
+    def swa_evictable_size(self) -> int:
+        return int(self.kvcore_cache.swa_evictable_size())
+
+    def full_protected_size(self) -> int:
+        return int(self.kvcore_cache.full_protected_size())
+
+    def swa_protected_size(self) -> int:
+        return int(self.kvcore_cache.swa_protected_size())
+
+    def total_size(self) -> Any:
+        return int(self.kvcore_cache.total_size()), int(self.kvcore_cache.swa_total_size())
+
+    def available_and_evictable_str(self) -> str:
+        alloc = self.token_to_kv_pool_allocator
+        full, swa = alloc.full_available_size(), alloc.swa_available_size()
+        return (f"Available full tokens: {full + self.full_evictable_size()} ({full=} + "
+                f"full_evictable_size={self.full_evictable_size()})\n"
+                f"Available swa tokens: {swa + self.swa_evictable_size()} ({swa=} + "
+                f"swa_evictable_size={self.swa_evictable_size()})\n")
 
 
 # ---------------------------------------------------------------------------- factories
@@ -522,9 +719,10 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
     alloc = params.token_to_kv_pool_allocator
     r2t = params.req_to_token_pool
     page_size = int(params.page_size)
+    swa = isinstance(alloc, SWATokenToKVPoolAllocator)
     if alloc is not None:
         # The config records the pools' shape; the pools themselves are SGLang's.
-        options.setdefault("size", int(alloc.size) // page_size * page_size)
+        options.setdefault("size", int(alloc.size_full if swa else alloc.size) // page_size * page_size)
     if r2t is not None:
         options.setdefault("max_num_reqs", int(r2t.size))
         options.setdefault("max_context_len", -(-int(r2t.max_context_len) // page_size) * page_size)
@@ -533,7 +731,9 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
         # SGLang's tree-only RadixCache (its unit tests) has no pools: the radix backend serves it without.
         init = CacheInitParams(
             req_to_token_pool=cast(Any, None if r2t is None else ReqToTokenPoolView(r2t)),
-            token_to_kv_pool_allocator=cast(Any, None if alloc is None else AllocatorView(alloc)),
+            token_to_kv_pool_allocator=cast(
+                Any, None if alloc is None else SWAAllocatorView(alloc) if swa else AllocatorView(alloc)
+            ),
             page_size=page_size,
             config=config,
         )
@@ -576,6 +776,30 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             disable=bool(params.disable),
             strict=False,
         )
+    elif target.backend == "swa":
+        alloc = params.token_to_kv_pool_allocator
+        # Exactly SGLang's two-pool allocator: its pure-SWA and shared (multi-ended) variants keep
+        # other free lists, which kvcore-swa's view does not model.
+        if type(alloc) is not SWATokenToKVPoolAllocator:
+            raise UnsupportedContext(
+                f"--radix-cache-backend {target.name}: needs SGLang's SWATokenToKVPoolAllocator (full + window "
+                f"pools), got {type(alloc).__name__}"
+            )
+        if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: a model with both sliding-window and "
+                                     "mamba layers (HybridReqToTokenPool) is not supported by kvcore")
+        if not params.sliding_window_size:
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: SGLang gave no sliding_window_size")
+        cache = _build_kvcore(
+            target, "swa", params,
+            swa_size=int(alloc.size_swa) // int(params.page_size) * int(params.page_size),
+            sliding_window_size=int(params.sliding_window_size),
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            strict=False,
+        )
+        return KvcoreSWATreeCache(target, cache, params)
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")
