@@ -147,8 +147,8 @@ class World:
         return self.alloc.available_size()
 
     # -- the scheduler's steps, through SGLang's own functions
-    def new_req(self, rid: str, ids: list[int], extra_key: Any) -> None:
-        self.reqs[rid] = Req(rid, "", array("q", ids), SamplingParams(), extra_key=extra_key)
+    def new_req(self, rid: str, ids: list[int], extra_key: Any, cache_salt: str | None = None) -> None:
+        self.reqs[rid] = Req(rid, "", array("q", ids), SamplingParams(), extra_key=extra_key, cache_salt=cache_salt)
 
     def admit(self, rid: str) -> list[int]:
         """Match (Req.init_next_round_input) and lock, as PrefillAdder does; returns the matched slots."""
@@ -218,8 +218,8 @@ class World:
     def evict(self, n: int) -> Any:
         return self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
 
-    def probe(self, ids: list[int], extra_key: Any) -> list[int]:
-        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), extra_key)))
+    def probe(self, ids: list[int], extra_key: Any, cache_salt: str | None = None) -> list[int]:
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), extra_key, cache_salt=cache_salt)))
         return m.device_indices.tolist()
 
     def dfs_order(self, rids: list[str]) -> list[int]:
@@ -437,10 +437,12 @@ def tree_dump(root: Any) -> list:
 
 def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, steps: int,
                chunks: tuple[int, ...] = (8, 16, 1000), world: type[World] = World, size: int = 112,
-               world_options: dict | None = None, finish_weight: float = 2, **params: Any) -> dict:
+               world_options: dict | None = None, finish_weight: float = 2, salts: bool = False,
+               **params: Any) -> dict:
     """One seeded stream through SGLang's cache and the kvcore one; returns how often each step ran.
 
     ``finish_weight`` against decode's 5: lower makes requests decode longer (past a window).
+    ``salts``: requests and probes also carry a ``cache_salt`` (two salts, or none).
     """
     rng = random.Random(seed)
     # Small pools: allocation often has to evict (evict_from_tree_cache) and admission to retract.
@@ -485,8 +487,9 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             rid = f"r{next_id}"
             next_id += 1
             extra = rng.choice([None, None, None, "lora-a"])
+            salt = rng.choice([None, None, "salt-1", "salt-2"]) if salts else None
             for w in worlds:
-                w.new_req(rid, ids, extra)
+                w.new_req(rid, ids, extra, salt)
             waiting.append(rid)
         elif op == "admit":
             rid = waiting[0]
@@ -567,7 +570,8 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             counts["evict"] += 1
         else:
             base = rng.choice(prompts)
-            both("probe", base[: rng.randrange(0, len(base) + 1)], rng.choice([None, "lora-a"]))
+            both("probe", base[: rng.randrange(0, len(base) + 1)], rng.choice([None, "lora-a"]),
+                 rng.choice([None, "salt-1"]) if salts else None)
             counts["probe"] += 1
             locked = sorted(r for r in ref.reqs if ref.reqs[r].last_node is not None)
             if locked and not ref.cache.is_chunk_cache() and not windowed:

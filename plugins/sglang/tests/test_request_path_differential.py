@@ -56,6 +56,15 @@ def test_kvcore_radix_matches_sglang_radix_cache(seed, page_size):
         assert counts[what] > 0, counts
 
 
+@pytest.mark.parametrize(("name", "page_size"), [("radix", 1), ("radix", 4), ("unified", 4)])
+def test_salted_requests_match_sglang_with_its_salted_kv_events(name, page_size):
+    """``cache_salt`` requests: never a prefix shared across salts, and SGLang's salted events
+    (``BlockStoredWithMetadata``, namespace-aware block hashes) the same."""
+    counts = run_stream(13, cache_kind=name, kvcore_name=f"kvcore-{name}", page_size=page_size, steps=250,
+                        salts=True, enable_kv_cache_events=True)
+    assert counts["admit"] > 0 and counts["evict"] > 0, counts
+
+
 @pytest.mark.parametrize("policy", ["lfu", "fifo", "priority"])
 def test_kvcore_radix_matches_sglang_other_eviction_policies(policy):
     run_stream(7, cache_kind="radix", kvcore_name="kvcore-radix", page_size=1, steps=200, eviction_policy=policy)
