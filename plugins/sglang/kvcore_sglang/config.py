@@ -26,6 +26,9 @@ class Target(BaseModel):
     backend: str = Field(description="the kvcore backend built on SGLang's pools")
     serves: tuple[ModelKind, ...] = Field(description="model kinds (TreeCacheBuildContext) it accepts")
     description: str
+    builder: str | None = Field(
+        default=None, description="'module:function' that builds it from a TreeCacheBuildContext; None: the contract "
+        "module of the running SGLang (kvcore_sglang.v0_5_19.build_tree_cache)")
 
 
 TARGETS: tuple[Target, ...] = (
