@@ -83,31 +83,13 @@ class UnsupportedContext(kvcore.KvcoreError, ValueError):
 # ---------------------------------------------------------------------------- pool views
 
 
-class AllocatorView:
-    """kvcore's ``TokenAllocator`` over one of SGLang's single-pool allocators.
+class _AllocatorCalls:
+    """The calls a kvcore backend makes on a token allocator, each answered by SGLang's own (``self.sglang``)."""
 
-    ``TokenToKVPoolAllocator`` (page 1: its free list holds slots) and
-    ``PagedTokenToKVPoolAllocator`` (its free list holds pages).  Frees go to
-    SGLang's own ``free`` / ``free_segment(s)`` and ``free_kv_row_segments``, so the
-    free-list order is SGLang's.
-    """
-
-    def __init__(self, allocator: Any):
-        self.sglang = allocator
-        self.page_size = int(allocator.page_size)
-        self.device = allocator.device
-        self.num_pages = int(allocator.size) // self.page_size
+    sglang: Any
 
     def available_size(self) -> int:
         return int(self.sglang.available_size())
-
-    def free_slots(self) -> torch.Tensor:
-        """Every free slot, in the order SGLang hands them out (``free_pages``, then ``release_pages``)."""
-        a = self.sglang
-        ids = torch.cat((a.free_pages, a.release_pages)).to(torch.int64).cpu()
-        if self.page_size == 1:
-            return ids
-        return (ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self.sglang.alloc(need_size)
@@ -139,11 +121,35 @@ class AllocatorView:
     def free_group_end(self) -> None:
         self.sglang.free_group_end()
 
+
+class AllocatorView(_AllocatorCalls):
+    """kvcore's ``TokenAllocator`` over one of SGLang's single-pool allocators.
+
+    ``TokenToKVPoolAllocator`` (page 1: its free list holds slots) and
+    ``PagedTokenToKVPoolAllocator`` (its free list holds pages).  Frees go to
+    SGLang's own ``free`` / ``free_segment(s)`` and ``free_kv_row_segments``, so the
+    free-list order is SGLang's.
+    """
+
+    def __init__(self, allocator: Any):
+        self.sglang = allocator
+        self.page_size = int(allocator.page_size)
+        self.device = allocator.device
+        self.num_pages = int(allocator.size) // self.page_size
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot, in the order SGLang hands them out (``free_pages``, then ``release_pages``)."""
+        a = self.sglang
+        ids = torch.cat((a.free_pages, a.release_pages)).to(torch.int64).cpu()
+        if self.page_size == 1:
+            return ids
+        return (ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
     def pool_views(self) -> list[PoolView]:
         return [PoolView("full", self)]
 
 
-class SWAAllocatorView:
+class SWAAllocatorView(_AllocatorCalls):
     """kvcore's ``SWATokenToKVPoolAllocator`` over SGLang's (a full and a window pool joined by a map).
 
     kvcore-swa's tree calls what SGLang's ``SWARadixCache`` calls (``free``,
@@ -171,9 +177,6 @@ class SWAAllocatorView:
     def full_to_swa_index_mapping(self) -> torch.Tensor:
         return self.sglang.full_to_swa_index_mapping
 
-    def available_size(self) -> int:
-        return int(self.sglang.available_size())
-
     def full_available_size(self) -> int:
         return int(self.sglang.full_available_size())
 
@@ -189,41 +192,11 @@ class SWAAllocatorView:
     def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
         return self.sglang.full_to_swa_index_mapping[torch.as_tensor(indices).to(torch.int64)]
 
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        return self.sglang.alloc(need_size)
-
-    def alloc_extend(self, *args: Any) -> torch.Tensor | None:
-        return self.sglang.alloc_extend(*args)
-
-    def alloc_decode(self, *args: Any) -> torch.Tensor | None:
-        return self.sglang.alloc_decode(*args)
-
-    def free(self, free_index: torch.Tensor) -> None:
-        self.sglang.free(free_index)
-
     def free_full(self, free_index: torch.Tensor) -> None:
         self.sglang.free_full(free_index)
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         self.sglang.free_swa(free_index)
-
-    def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
-        self.sglang.free_segment(free_index, start_pos=start_pos)
-
-    def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
-        self.sglang.free_segments(list(segments))
-
-    def free_row_segments(
-        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
-    ) -> None:
-        # SGLang's own row release: below the window cursor the full side alone (free_full).
-        free_kv_row_segments(self.sglang, list(segments), swa_evicted_seqlen=swa_evicted_seqlen)
-
-    def free_group_begin(self) -> None:
-        self.sglang.free_group_begin()
-
-    def free_group_end(self) -> None:
-        self.sglang.free_group_end()
 
     def pool_views(self) -> list[PoolView]:
         return [

@@ -26,22 +26,10 @@ does) and the model forward (sampled tokens come from the seeded RNG).
 from __future__ import annotations
 
 import pytest
-from sglang.srt.runtime_context import get_context
 
-from tools.sglang_request_path_shim import install_cpu_kernels, run_stream
+from tools.sglang_request_path_shim import run_stream
 
-
-@pytest.fixture(autouse=True)
-def _server_args():
-    # A scheduler process runs with its ServerArgs published; SGLang's request path reads them.
-    with get_context().override_server_args():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _cpu_kernels(monkeypatch):
-    install_cpu_kernels(monkeypatch)
-
+pytestmark = pytest.mark.usefixtures("sglang_request_path")
 
 SEEDS = range(4)
 

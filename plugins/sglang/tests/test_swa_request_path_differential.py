@@ -24,21 +24,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from sglang.srt.runtime_context import get_context
 
-from tools.sglang_request_path_shim import SWAWorld, install_cpu_kernels, run_stream
+from tools.sglang_request_path_shim import SWAWorld, run_stream
 
-
-@pytest.fixture(autouse=True)
-def _server_args():
-    with get_context().override_server_args():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _cpu_kernels(monkeypatch):
-    install_cpu_kernels(monkeypatch)
-
+pytestmark = pytest.mark.usefixtures("sglang_request_path")
 
 # page_size, window, full pool, window pool
 CONFIGS = [(1, 4, 112, 40), (1, 8, 112, 48), (4, 8, 160, 64), (4, 12, 192, 64)]
