@@ -19,6 +19,7 @@ Three layers:
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import weakref
 from array import array
@@ -54,6 +55,8 @@ from kvcore.cache import LockResult
 from kvcore.config import CacheInitParams
 from kvcore.factory import attach_lifecycle
 from kvcore.plugins import get_backend, get_plugin_manager
+from kvcore.pools.array_ops import ops_for
+from kvcore.pools.claims import SlotOwnership
 from kvcore.pools.views import PoolView
 from kvcore.record import ReqKvInfo
 from kvcore.tree.events import AllPagesCleared, PageRemoved, PageStored
@@ -71,6 +74,7 @@ __all__ = [
     "UnsupportedContext",
     "build_tree_cache",
     "owner_of",
+    "strict_slots",
 ]
 
 SGLANG_VERSION = "0.5.19"
@@ -83,10 +87,64 @@ class UnsupportedContext(kvcore.KvcoreError, ValueError):
 # ---------------------------------------------------------------------------- pool views
 
 
+class _SGLangPages:
+    """What kvcore's :class:`~kvcore.pools.claims.SlotOwnership` reads of a pool's pages, over SGLang's allocator.
+
+    SGLang keeps its free pages as a list (``free_pages``, then ``release_pages``), not as
+    a mask: the mask is built from that list each time a claim is checked (strict only).
+    """
+
+    def __init__(self, allocator: Any, ops: Any):
+        self.sglang = allocator
+        self.page_size = int(allocator.page_size)
+        self.size = int(allocator.size) // self.page_size * self.page_size
+        self.ops = ops
+
+    @property
+    def free(self) -> Any:
+        """Per page id (0 is padding): non-zero where SGLang's allocator holds the page free."""
+        a = self.sglang
+        mask = torch.zeros(self.size // self.page_size + 1, dtype=torch.int32, device=a.free_pages.device)
+        mask[torch.cat((a.free_pages, a.release_pages)).to(torch.int64)] = 1
+        return self.ops.view(mask)
+
+    def page_ids(self, s: Any) -> Any:
+        return s // self.page_size
+
+
 class _AllocatorCalls:
-    """The calls a kvcore backend makes on a token allocator, each answered by SGLang's own (``self.sglang``)."""
+    """The calls a kvcore backend makes on a token allocator, each answered by SGLang's own (``self.sglang``).
+
+    ``claims`` is the full pool's ownership record (kvcore's strict slot checks): a free
+    refuses, before SGLang frees anything, a slot a tree node still owns (use after free).
+    With ``strict=False`` nothing is ever claimed and the check finds nothing.
+    """
 
     sglang: Any
+    claims: SlotOwnership
+    ops: Any
+
+    def _unclaimed(self, slots: torch.Tensor) -> torch.Tensor:
+        if slots.numel():
+            self.claims.check_unclaimed(self.ops.view(slots.reshape(-1).to(torch.int64)))
+        return slots
+
+    # -- ownership by the tree (strict): full-side slot ids
+    def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None:
+        self.claims.check_claimable(self.ops.view(slots.reshape(-1).to(torch.int64)), commit=commit, what=what)
+
+    def claim(self, slots: torch.Tensor, *, checked: bool = True) -> None:
+        if checked:
+            self.check_claimable(slots, commit=True)
+        else:
+            self.claims.claim_unchecked(self.ops.view(slots.reshape(-1).to(torch.int64)))
+
+    def disown(self, slots: torch.Tensor) -> None:
+        self.claims.disown(self.ops.view(slots.reshape(-1).to(torch.int64)))
+
+    def claimed_slots(self) -> torch.Tensor:
+        claimed = self.claims.claimed()
+        return torch.empty(0, dtype=torch.int64) if claimed is None else self.ops.tensor(claimed)
 
     def available_size(self) -> int:
         return int(self.sglang.available_size())
@@ -101,19 +159,20 @@ class _AllocatorCalls:
         return self.sglang.alloc_decode(*args)
 
     def free(self, free_index: torch.Tensor) -> None:
-        self.sglang.free(free_index)
+        self.sglang.free(self._unclaimed(free_index))
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
-        self.sglang.free_segment(free_index, start_pos=start_pos)
+        self.sglang.free_segment(self._unclaimed(free_index), start_pos=start_pos)
 
     def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
-        self.sglang.free_segments(list(segments))
+        self.sglang.free_segments([(self._unclaimed(f), start) for f, start in segments])
 
     def free_row_segments(
         self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
     ) -> None:
         # SGLang's own row release: split at the window floor, then free_full / free_segments.
-        free_kv_row_segments(self.sglang, list(segments), swa_evicted_seqlen=swa_evicted_seqlen)
+        segments = [(self._unclaimed(f), start) for f, start in segments]
+        free_kv_row_segments(self.sglang, segments, swa_evicted_seqlen=swa_evicted_seqlen)
 
     def free_group_begin(self) -> None:
         self.sglang.free_group_begin()
@@ -136,6 +195,8 @@ class AllocatorView(_AllocatorCalls):
         self.page_size = int(allocator.page_size)
         self.device = allocator.device
         self.num_pages = int(allocator.size) // self.page_size
+        self.ops = ops_for(self.device)
+        self.claims = SlotOwnership(cast(Any, _SGLangPages(allocator, self.ops)), self.device)
 
     def free_slots(self) -> torch.Tensor:
         """Every free slot, in the order SGLang hands them out (``free_pages``, then ``release_pages``)."""
@@ -164,6 +225,9 @@ class SWAAllocatorView(_AllocatorCalls):
         self.device = allocator.device
         self.full = AllocatorView(allocator.full_attn_allocator)
         self.swa = AllocatorView(allocator.swa_attn_allocator)
+        # The tree owns full-side slots: their claims are the full pool's.
+        self.ops = self.full.ops
+        self.claims = self.full.claims
 
     @property
     def size_full(self) -> int:
@@ -193,7 +257,7 @@ class SWAAllocatorView(_AllocatorCalls):
         return self.sglang.full_to_swa_index_mapping[torch.as_tensor(indices).to(torch.int64)]
 
     def free_full(self, free_index: torch.Tensor) -> None:
-        self.sglang.free_full(free_index)
+        self.sglang.free_full(self._unclaimed(free_index))
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         self.sglang.free_swa(free_index)
@@ -676,6 +740,25 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
 # ---------------------------------------------------------------------------- factories
 
 
+#: Set to 1 to turn kvcore's strict slot checks on over SGLang's pools (0, the default: off).
+STRICT_ENV = "KVCORE_SGLANG_STRICT"
+
+
+def strict_slots() -> bool:
+    """Whether kvcore's strict slot checks run on SGLang's pools (``KVCORE_SGLANG_STRICT=1``).
+
+    Off by default: SGLang's allocator keeps its free pages as a list, so every insert's
+    check builds the free mask from that list (a pass over the free list per insert).  On,
+    an insert or a request's cache call refuses padding, out-of-range, free, repeated or
+    already-owned slots before anything changes, and a free refuses a slot a tree node still
+    owns, before SGLang frees anything.
+    """
+    value = os.environ.get(STRICT_ENV, "0")
+    if value not in ("0", "1"):
+        raise UnsupportedContext(f"{STRICT_ENV}={value!r}: use 1 (strict slot checks on) or 0 (off)")
+    return value == "1"
+
+
 def _refuse(target: Target, ctx: Any) -> None:
     """One clear error for a context ``target`` cannot serve, before anything is built."""
     params = ctx.params
@@ -754,15 +837,14 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
     if target.backend == "radix":
         if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: a HybridReqToTokenPool (mamba states) "
-                                     "needs kvcore-mamba or kvcore-unified")
+                                     "is not served by kvcore-sglang yet (kvcore-mamba is not registered)")
         cache = _build_kvcore(
             target, "radix", params,
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
-            # SGLang's allocator keeps no record of who owns a slot, so kvcore's strict slot claims
-            # have nothing to record in; key checks stay on.
-            strict=False,
+            # Key checks are always on; the slot checks (claims) on request (strict_slots()).
+            strict=strict_slots() and params.token_to_kv_pool_allocator is not None,
         )
     elif target.backend == "unified":
         # SGLang's default tree; on a full-attention model its one component is full.
@@ -772,7 +854,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
-            strict=False,
+            strict=strict_slots(),
         )
     elif target.backend == "swa":
         alloc = params.token_to_kv_pool_allocator
@@ -795,7 +877,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
-            strict=False,
+            strict=strict_slots(),
         )
         return KvcoreSWATreeCache(target, cache, params)
     elif target.backend == "chunk":

@@ -202,3 +202,30 @@ def test_kvcore_swa_refuses_full_models_and_other_allocators():
             create_tree_cache(make_ctx(server_args))
         with pytest.raises(UnsupportedContext, match="needs SGLang's SWATokenToKVPoolAllocator"):
             create_tree_cache(make_ctx(server_args, hybrid_swa=True, sliding_window_size=8))
+
+
+def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: a request whose row names slots SGLang's allocator holds free is refused."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+        ctx = make_ctx(server_args)
+        cache = create_tree_cache(ctx)
+    alloc, r2t = ctx.params.token_to_kv_pool_allocator, ctx.params.req_to_token_pool
+    req = Req("r", "", array("q", [1, 2, 3, 4]), SamplingParams())
+    req.kv.req_pool_idx = r2t.alloc([req])[0]
+    held = alloc.alloc(2)
+    # Two slots the request holds, two that are still free in SGLang's allocator.
+    r2t.req_to_token[req.kv.req_pool_idx, :4] = torch.cat((held, torch.tensor([60, 61]))).to(torch.int32)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = 4
+    before = alloc.free_pages.tolist()
+    with pytest.raises(ValueError, match="slot 60 is free"):
+        cache.cache_finished_req(req, kv_len_to_handle=4)
+    assert alloc.free_pages.tolist() == before and cache.total_size() == 0
+    with pytest.raises(UnsupportedContext, match="KVCORE_SGLANG_STRICT='yes'"):
+        monkeypatch.setenv("KVCORE_SGLANG_STRICT", "yes")
+        with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+            create_tree_cache(make_ctx(server_args))

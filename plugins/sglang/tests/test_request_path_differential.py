@@ -53,6 +53,13 @@ def test_salted_requests_match_sglang_with_its_salted_kv_events(name, page_size)
     assert counts["admit"] > 0 and counts["evict"] > 0, counts
 
 
+@pytest.mark.parametrize(("name", "page_size"), [("radix", 1), ("radix", 4), ("unified", 4)])
+def test_strict_slot_checks_on_sglang_pools_change_nothing(monkeypatch, name, page_size):
+    """KVCORE_SGLANG_STRICT=1: kvcore's slot claims over SGLang's allocator; a sound stream is unchanged."""
+    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
+    run_stream(2, cache_kind=name, kvcore_name=f"kvcore-{name}", page_size=page_size, steps=200)
+
+
 @pytest.mark.parametrize("policy", ["lfu", "fifo", "priority"])
 def test_kvcore_radix_matches_sglang_other_eviction_policies(policy):
     run_stream(7, cache_kind="radix", kvcore_name="kvcore-radix", page_size=1, steps=200, eviction_policy=policy)

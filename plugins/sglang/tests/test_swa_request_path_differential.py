@@ -45,3 +45,10 @@ def test_kvcore_swa_matches_sglang_swa_radix_cache(page_size, window, size, swa_
     for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "alloc_evict", "window_free",
                  "window_lock"):
         assert total[what] > 0, total
+
+
+def test_kvcore_swa_strict_slot_checks_change_nothing(monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: kvcore-swa claims its full slots in the view of SGLang's allocator."""
+    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
+    run_stream(1, cache_kind="swa", kvcore_name="kvcore-swa", page_size=4, steps=200, world=SWAWorld, size=160,
+               world_options=dict(swa_size=64, window=8), chunks=(8, 16, 24), finish_weight=0.7)
