@@ -52,3 +52,10 @@ def test_kvcore_swa_strict_slot_checks_change_nothing(monkeypatch):
     monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
     run_stream(1, cache_kind="swa", kvcore_name="kvcore-swa", page_size=4, steps=200, world=SWAWorld, size=160,
                world_options=dict(swa_size=64, window=8), chunks=(8, 16, 24), finish_weight=0.7)
+
+
+def test_kvcore_swa_disabled_matches_sglang():
+    """``disable``: nothing matched or kept; whole prompts (a disabled tree keeps no prefix between chunks)."""
+    run_stream(5, cache_kind="swa", kvcore_name="kvcore-swa", page_size=4, steps=150, world=SWAWorld, size=160,
+               world_options=dict(swa_size=160, window=8), chunks=(1000,), finish_weight=0.7, disable=True)
+
