@@ -26,11 +26,17 @@ class Target(BaseModel):
     backend: str = Field(description="the kvcore backend built on SGLang's pools")
     serves: tuple[ModelKind, ...] = Field(description="model kinds (TreeCacheBuildContext) it accepts")
     description: str
+    builder: str | None = Field(
+        default=None, description="'module:function' that builds it from a TreeCacheBuildContext; None: the contract "
+        "module of the running SGLang (kvcore_sglang.v0_5_19.build_tree_cache)")
 
 
 TARGETS: tuple[Target, ...] = (
     Target(name="kvcore-radix", backend="radix", serves=("full",),
            description="kvcore's radix tree (SGLang's RadixCache) for full-attention models"),
+    Target(name="kvcore-swa", backend="swa", serves=("hybrid-swa",),
+           description="kvcore's sliding-window tree (SGLang's SWARadixCache) for hybrid SWA models, on SGLang's "
+           "SWATokenToKVPoolAllocator"),
     Target(name="kvcore-unified", backend="unified", serves=("full",),
            description="kvcore's unified tree (SGLang's default UnifiedRadixCache), component full, for "
            "full-attention models"),

@@ -45,7 +45,11 @@ class KvcoreFactory:
         self.target = target
 
     def __call__(self, ctx: Any) -> Any:
-        return contract_module().build_tree_cache(self.target, ctx)
+        if self.target.builder is None:
+            return contract_module().build_tree_cache(self.target, ctx)
+        # A target with a builder of its own (another module of this package): imported only now.
+        module, _, function = self.target.builder.partition(":")
+        return getattr(importlib.import_module(module), function)(self.target, ctx)
 
     def __repr__(self) -> str:
         return f"KvcoreFactory({self.target.name!r} -> kvcore backend {self.target.backend!r})"
@@ -53,6 +57,9 @@ class KvcoreFactory:
 
 def register_with_sglang() -> None:
     """Register every name of :data:`kvcore_sglang.config.TARGETS` with SGLang's radix-cache registry.
+
+    A new name is one more :class:`~kvcore_sglang.config.Target` in ``TARGETS`` (with
+    ``builder="kvcore_sglang.mymodule:build"`` when the contract module does not build it).
 
     Idempotent: ``load_plugins`` may run more than once per process, and SGLang's
     registry raises on a second registration, so a name already held by this

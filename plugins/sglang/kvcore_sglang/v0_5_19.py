@@ -18,6 +18,8 @@ Three layers:
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 import weakref
 from array import array
@@ -25,7 +27,13 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, StorageMedium  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.disaggregation.kv_events import (  # type: ignore[import-not-found,unused-ignore]
+    BlockRemoved,
+    BlockStored,
+    BlockStoredMetadata,
+    BlockStoredWithMetadata,
+    StorageMedium,
+)
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-found,unused-ignore]
     BasePrefixCache,
@@ -43,9 +51,12 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool  # type: ignor
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # type: ignore[import-not-found,unused-ignore]
 
 import kvcore
+from kvcore.cache import LockResult
 from kvcore.config import CacheInitParams
 from kvcore.factory import attach_lifecycle
 from kvcore.plugins import get_backend, get_plugin_manager
+from kvcore.pools.array_ops import ops_for
+from kvcore.pools.claims import SlotOwnership
 from kvcore.pools.views import PoolView
 from kvcore.record import ReqKvInfo
 from kvcore.tree.events import AllPagesCleared, PageRemoved, PageStored
@@ -54,12 +65,16 @@ from kvcore_sglang.config import Target
 __all__ = [
     "AllocatorView",
     "KvRecordView",
+    "KvcoreSWATreeCache",
     "KvcoreTreeCache",
     "ReqToTokenPoolView",
     "ReqView",
+    "SWAAllocatorView",
+    "SWAReqView",
     "UnsupportedContext",
     "build_tree_cache",
     "owner_of",
+    "strict_slots",
 ]
 
 SGLANG_VERSION = "0.5.19"
@@ -72,7 +87,101 @@ class UnsupportedContext(kvcore.KvcoreError, ValueError):
 # ---------------------------------------------------------------------------- pool views
 
 
-class AllocatorView:
+class _SGLangPages:
+    """What kvcore's :class:`~kvcore.pools.claims.SlotOwnership` reads of a pool's pages, over SGLang's allocator.
+
+    SGLang keeps its free pages as a list (``free_pages``, then ``release_pages``), not as
+    a mask: the mask is built from that list each time a claim is checked (strict only).
+    """
+
+    def __init__(self, allocator: Any, ops: Any):
+        self.sglang = allocator
+        self.page_size = int(allocator.page_size)
+        self.size = int(allocator.size) // self.page_size * self.page_size
+        self.ops = ops
+
+    @property
+    def free(self) -> Any:
+        """Per page id (0 is padding): non-zero where SGLang's allocator holds the page free."""
+        a = self.sglang
+        mask = torch.zeros(self.size // self.page_size + 1, dtype=torch.int32, device=a.free_pages.device)
+        mask[torch.cat((a.free_pages, a.release_pages)).to(torch.int64)] = 1
+        return self.ops.view(mask)
+
+    def page_ids(self, s: Any) -> Any:
+        return s // self.page_size
+
+
+class _AllocatorCalls:
+    """The calls a kvcore backend makes on a token allocator, each answered by SGLang's own (``self.sglang``).
+
+    ``claims`` is the full pool's ownership record (kvcore's strict slot checks): a free
+    refuses, before SGLang frees anything, a slot a tree node still owns (use after free).
+    With ``strict=False`` nothing is ever claimed and the check finds nothing.
+    """
+
+    sglang: Any
+    claims: SlotOwnership
+    ops: Any
+
+    def _unclaimed(self, slots: torch.Tensor) -> torch.Tensor:
+        if slots.numel():
+            self.claims.check_unclaimed(self.ops.view(slots.reshape(-1).to(torch.int64)))
+        return slots
+
+    # -- ownership by the tree (strict): full-side slot ids
+    def check_claimable(self, slots: torch.Tensor, *, commit: bool = False, what: str = "insert") -> None:
+        self.claims.check_claimable(self.ops.view(slots.reshape(-1).to(torch.int64)), commit=commit, what=what)
+
+    def claim(self, slots: torch.Tensor, *, checked: bool = True) -> None:
+        if checked:
+            self.check_claimable(slots, commit=True)
+        else:
+            self.claims.claim_unchecked(self.ops.view(slots.reshape(-1).to(torch.int64)))
+
+    def disown(self, slots: torch.Tensor) -> None:
+        self.claims.disown(self.ops.view(slots.reshape(-1).to(torch.int64)))
+
+    def claimed_slots(self) -> torch.Tensor:
+        claimed = self.claims.claimed()
+        return torch.empty(0, dtype=torch.int64) if claimed is None else self.ops.tensor(claimed)
+
+    def available_size(self) -> int:
+        return int(self.sglang.available_size())
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self.sglang.alloc(need_size)
+
+    def alloc_extend(self, *args: Any) -> torch.Tensor | None:
+        return self.sglang.alloc_extend(*args)
+
+    def alloc_decode(self, *args: Any) -> torch.Tensor | None:
+        return self.sglang.alloc_decode(*args)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.sglang.free(self._unclaimed(free_index))
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
+        self.sglang.free_segment(self._unclaimed(free_index), start_pos=start_pos)
+
+    def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
+        self.sglang.free_segments([(self._unclaimed(f), start) for f, start in segments])
+
+    def free_row_segments(
+        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
+    ) -> None:
+        # SGLang's own row release: split at the window floor, then free_full / free_segments.
+        segments = [(self._unclaimed(f), start) for f, start in segments]
+        free_kv_row_segments(self.sglang, segments, swa_evicted_seqlen=swa_evicted_seqlen)
+
+    def free_group_begin(self) -> None:
+        self.sglang.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.sglang.free_group_end()
+
+
+class AllocatorView(_AllocatorCalls):
     """kvcore's ``TokenAllocator`` over one of SGLang's single-pool allocators.
 
     ``TokenToKVPoolAllocator`` (page 1: its free list holds slots) and
@@ -86,9 +195,8 @@ class AllocatorView:
         self.page_size = int(allocator.page_size)
         self.device = allocator.device
         self.num_pages = int(allocator.size) // self.page_size
-
-    def available_size(self) -> int:
-        return int(self.sglang.available_size())
+        self.ops = ops_for(self.device)
+        self.claims = SlotOwnership(cast(Any, _SGLangPages(allocator, self.ops)), self.device)
 
     def free_slots(self) -> torch.Tensor:
         """Every free slot, in the order SGLang hands them out (``free_pages``, then ``release_pages``)."""
@@ -98,38 +206,67 @@ class AllocatorView:
             return ids
         return (ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        return self.sglang.alloc(need_size)
-
-    def alloc_extend(self, *args: Any) -> torch.Tensor | None:
-        return self.sglang.alloc_extend(*args)
-
-    def alloc_decode(self, *args: Any) -> torch.Tensor | None:
-        return self.sglang.alloc_decode(*args)
-
-    def free(self, free_index: torch.Tensor) -> None:
-        self.sglang.free(free_index)
-
-    def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
-        self.sglang.free_segment(free_index, start_pos=start_pos)
-
-    def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
-        self.sglang.free_segments(list(segments))
-
-    def free_row_segments(
-        self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
-    ) -> None:
-        # SGLang's own row release: split at the window floor, then free_full / free_segments.
-        free_kv_row_segments(self.sglang, list(segments), swa_evicted_seqlen=swa_evicted_seqlen)
-
-    def free_group_begin(self) -> None:
-        self.sglang.free_group_begin()
-
-    def free_group_end(self) -> None:
-        self.sglang.free_group_end()
-
     def pool_views(self) -> list[PoolView]:
         return [PoolView("full", self)]
+
+
+class SWAAllocatorView(_AllocatorCalls):
+    """kvcore's ``SWATokenToKVPoolAllocator`` over SGLang's (a full and a window pool joined by a map).
+
+    kvcore-swa's tree calls what SGLang's ``SWARadixCache`` calls (``free``,
+    ``free_full``, ``free_swa``, ``free_kv_row_segments``, the full-to-window map
+    it re-points when it heals a locked tombstone), all answered by SGLang's own
+    allocator, so both free lists and the map are SGLang's.
+    """
+
+    def __init__(self, allocator: Any):
+        self.sglang = allocator
+        self.page_size = int(allocator.page_size)
+        self.device = allocator.device
+        self.full = AllocatorView(allocator.full_attn_allocator)
+        self.swa = AllocatorView(allocator.swa_attn_allocator)
+        # The tree owns full-side slots: their claims are the full pool's.
+        self.ops = self.full.ops
+        self.claims = self.full.claims
+
+    @property
+    def size_full(self) -> int:
+        return int(self.sglang.size_full)
+
+    @property
+    def size_swa(self) -> int:
+        return int(self.sglang.size_swa)
+
+    @property
+    def full_to_swa_index_mapping(self) -> torch.Tensor:
+        return self.sglang.full_to_swa_index_mapping
+
+    def full_available_size(self) -> int:
+        return int(self.sglang.full_available_size())
+
+    def swa_available_size(self) -> int:
+        return int(self.sglang.swa_available_size())
+
+    def full_free_slots(self) -> torch.Tensor:
+        return self.full.free_slots()
+
+    def swa_free_slots(self) -> torch.Tensor:
+        return self.swa.free_slots()
+
+    def translate_loc_from_full_to_swa(self, indices: Any) -> torch.Tensor:
+        return self.sglang.full_to_swa_index_mapping[torch.as_tensor(indices).to(torch.int64)]
+
+    def free_full(self, free_index: torch.Tensor) -> None:
+        self.sglang.free_full(self._unclaimed(free_index))
+
+    def free_swa(self, free_index: torch.Tensor) -> None:
+        self.sglang.free_swa(free_index)
+
+    def pool_views(self) -> list[PoolView]:
+        return [
+            PoolView("full", self.full),
+            PoolView("swa", self.swa, translate=self.translate_loc_from_full_to_swa, windowed=True),
+        ]
 
 
 class ReqToTokenPoolView:
@@ -298,6 +435,37 @@ class ReqView:
         self.sglang.prefix_indices = value
 
 
+class SWAReqView(ReqView):
+    """A request of a hybrid SWA model: its lock is SGLang's own pair of fields.
+
+    SGLang's scheduler keeps where a request's window lock stopped in
+    ``req.swa_uuid_for_lock`` (from ``inc_lock_ref``) and whether the window part
+    went back early in ``req.swa_prefix_lock_released`` (``dec_swa_lock_only``); the
+    kvcore lock handed to kvcore-swa is made from them, and a new lock is written
+    back to them, so the scheduler's own calls and the cache's agree.
+    """
+
+    __slots__ = ()
+
+    @property
+    def lock(self) -> Any:
+        req = self.sglang
+        if req.last_node is None:
+            return None
+        lock = LockResult(stop=req.swa_uuid_for_lock)
+        if req.swa_prefix_lock_released:
+            lock.released_early.add("swa")
+        return lock
+
+    @lock.setter
+    def lock(self, lock: Any) -> None:
+        req = self.sglang
+        # SGLang's cache_finished_req / cache_unfinished_req clear the early-release mark.
+        req.swa_prefix_lock_released = False
+        if lock is not None:
+            req.swa_uuid_for_lock = lock.stop
+
+
 class _Owner:
     """A running SGLang request as :class:`kvcore.InvariantChecker` names and reads it."""
 
@@ -316,13 +484,25 @@ def owner_of(req: Any) -> Any:
 # ---------------------------------------------------------------------------- KV events
 
 
+def salt_of(extra_key: Any) -> str | None:
+    """The ``cache_salt`` of a kvcore namespace made by :func:`namespace` (None when unsalted)."""
+    return extra_key[1] if isinstance(extra_key, tuple) else None
+
+
+def salt_namespace_hash(salt: str) -> str:
+    """SGLang's prior hash of a salted chain's first page (``compute_node_event_hash_values``)."""
+    return hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode("utf-8")).hexdigest()
+
+
 class _EventTranslator:
     """kvcore's page events as SGLang's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``.
 
     SGLang's block hashes chain SGLang's own page hash (``get_hash_str``) and ignore
     ``extra_key``; kvcore's chain covers the namespace too.  So each kvcore page hash
     is mapped to the SGLang hash of the same page (chained on its parent's), and the
-    events go through SGLang's own recorder, which coalesces them as SGLang does.
+    events go through SGLang's own recorder, which coalesces them as SGLang does.  A
+    ``cache_salt`` page is SGLang's ``BlockStoredWithMetadata`` with its namespace-aware
+    hash (the chain starts from the salt's hash), as SGLang publishes it.
     """
 
     def __init__(self, page_size: int):
@@ -333,16 +513,22 @@ class _EventTranslator:
         for ev in events:
             if isinstance(ev, PageStored):
                 parent = None if ev.parent_hash is None else self._sglang_hash[ev.parent_hash]
-                h = get_hash_str(list(ev.token_ids), parent)
+                salt = salt_of(ev.extra_key)
+                # A salted page's SGLang hash chains from the salt's namespace hash under the root
+                # (its compute_node_event_hash_values); an unsalted one from nothing.
+                prior = parent if parent is not None or salt is None else salt_namespace_hash(salt)
+                h = get_hash_str(list(ev.token_ids), prior)
                 self._sglang_hash[ev.page_hash] = h
-                self.recorder.enqueue(BlockStored(
+                fields = dict(
                     block_hashes=[hash_str_to_int64(h)],
                     parent_block_hash=None if parent is None else hash_str_to_int64(parent),
                     token_ids=list(ev.token_ids),
                     block_size=len(ev.token_ids),
                     lora_id=None,
                     medium=StorageMedium.GPU,
-                ))
+                )
+                self.recorder.enqueue(BlockStored(**fields) if salt is None else BlockStoredWithMetadata(
+                    **fields, metadata=BlockStoredMetadata(cache_salt=salt)))
             elif isinstance(ev, PageRemoved):
                 h = self._sglang_hash.pop(ev.page_hash)
                 self.recorder.enqueue(BlockRemoved(block_hashes=[hash_str_to_int64(h)], medium=StorageMedium.GPU))
@@ -366,6 +552,9 @@ class KvcoreTreeCache(BasePrefixCache):
     objects (the scheduler and SGLang's ``common.py`` use them); the kvcore
     backend runs on views of the same objects.
     """
+
+    # How this cache's kvcore backend reads SGLang's Req.
+    req_view: type[ReqView] = ReqView
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
         self.target = target
@@ -422,7 +611,7 @@ class KvcoreTreeCache(BasePrefixCache):
         if self.disable_finished_insert:
             is_insert = False
         fill_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        view = ReqView(req, fill_ids, kv_len_to_handle, self._locks)
+        view = self.req_view(req, fill_ids, kv_len_to_handle, self._locks)
         self.kvcore_cache.hook.cache_finished_req(req=view, is_insert=is_insert)
         self._flush_events()
 
@@ -436,7 +625,7 @@ class KvcoreTreeCache(BasePrefixCache):
         else:
             fill_ids = req.get_fill_ids()
             committed = len(fill_ids)
-        view = ReqView(req, fill_ids, committed, self._locks)
+        view = self.req_view(req, fill_ids, committed, self._locks)
         self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
         self._flush_events()
 
@@ -478,7 +667,96 @@ class KvcoreTreeCache(BasePrefixCache):
 
 
 
+class KvcoreSWATreeCache(KvcoreTreeCache):
+    """SGLang 0.5.19's ``SWARadixCache`` contract answered by kvcore-swa on SGLang's ``SWATokenToKVPoolAllocator``.
+
+    On top of the base: the window (``supports_swa``, ``sliding_window_size``), the
+    four full/window sizes, ``total_size() -> (full, swa)``, SGLang's window lock
+    handles (``swa_uuid_for_lock`` in ``IncLockRefResult``, ``DecLockRefParams`` and
+    ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction.
+    """
+
+    req_view = SWAReqView
+
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
+        super().__init__(target, kvcore_cache, params)
+        self.sliding_window_size = int(kvcore_cache.sliding_window_size)
+
+    def supports_swa(self) -> bool:
+        return True
+
+    # -- eviction and locks
+    def evict(self, params: EvictParams) -> EvictResult:
+        start = time.perf_counter()
+        done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
+        # SGLang's SWARadixCache reports full + window tokens to its metrics.
+        self.update_eviction_metrics(done.num_tokens_evicted + done.swa_num_tokens_evicted, start)
+        self._flush_events()
+        return EvictResult(num_tokens_evicted=done.num_tokens_evicted,
+                           swa_num_tokens_evicted=done.swa_num_tokens_evicted)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        # SGLang's SWARadixCache reports no delta, only where the window lock stopped.
+        return IncLockRefResult(swa_uuid_for_lock=self.kvcore_cache.inc_lock_ref(node).stop)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None, skip_swa: bool = False
+                     ) -> DecLockRefResult:
+        lock = LockResult(stop=None if params is None else params.swa_uuid_for_lock)
+        if skip_swa:
+            lock.released_early.add("swa")
+        self.kvcore_cache.dec_lock_ref(node, lock)
+        return DecLockRefResult()
+
+    def dec_swa_lock_only(self, node: Any, swa_uuid_for_lock: int | None = None,
+                          skip_lock_node_ids: Any = None) -> None:
+        # skip_lock_node_ids: SGLang's own signature parity; its SWARadixCache ignores it too.
+        self.kvcore_cache.dec_swa_lock_only(node, LockResult(stop=swa_uuid_for_lock))
+
+    # -- sizes (SGLang's SWARadixCache raises for the plain ones; the full side is answered)
+    def full_evictable_size(self) -> int:
+        return int(self.kvcore_cache.full_evictable_size())
+
+    def swa_evictable_size(self) -> int:
+        return int(self.kvcore_cache.swa_evictable_size())
+
+    def full_protected_size(self) -> int:
+        return int(self.kvcore_cache.full_protected_size())
+
+    def swa_protected_size(self) -> int:
+        return int(self.kvcore_cache.swa_protected_size())
+
+    def total_size(self) -> Any:
+        return int(self.kvcore_cache.total_size()), int(self.kvcore_cache.swa_total_size())
+
+    def available_and_evictable_str(self) -> str:
+        alloc = self.token_to_kv_pool_allocator
+        full, swa = alloc.full_available_size(), alloc.swa_available_size()
+        return (f"Available full tokens: {full + self.full_evictable_size()} ({full=} + "
+                f"full_evictable_size={self.full_evictable_size()})\n"
+                f"Available swa tokens: {swa + self.swa_evictable_size()} ({swa=} + "
+                f"swa_evictable_size={self.swa_evictable_size()})\n")
+
+
 # ---------------------------------------------------------------------------- factories
+
+
+#: Set to 1 to turn kvcore's strict slot checks on over SGLang's pools (0, the default: off).
+STRICT_ENV = "KVCORE_SGLANG_STRICT"
+
+
+def strict_slots() -> bool:
+    """Whether kvcore's strict slot checks run on SGLang's pools (``KVCORE_SGLANG_STRICT=1``).
+
+    Off by default: SGLang's allocator keeps its free pages as a list, so every insert's
+    check builds the free mask from that list (a pass over the free list per insert).  On,
+    an insert or a request's cache call refuses padding, out-of-range, free, repeated or
+    already-owned slots before anything changes, and a free refuses a slot a tree node still
+    owns, before SGLang frees anything.
+    """
+    value = os.environ.get(STRICT_ENV, "0")
+    if value not in ("0", "1"):
+        raise UnsupportedContext(f"{STRICT_ENV}={value!r}: use 1 (strict slot checks on) or 0 (off)")
+    return value == "1"
 
 
 def _refuse(target: Target, ctx: Any) -> None:
@@ -522,9 +800,10 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
     alloc = params.token_to_kv_pool_allocator
     r2t = params.req_to_token_pool
     page_size = int(params.page_size)
+    swa = isinstance(alloc, SWATokenToKVPoolAllocator)
     if alloc is not None:
         # The config records the pools' shape; the pools themselves are SGLang's.
-        options.setdefault("size", int(alloc.size) // page_size * page_size)
+        options.setdefault("size", int(alloc.size_full if swa else alloc.size) // page_size * page_size)
     if r2t is not None:
         options.setdefault("max_num_reqs", int(r2t.size))
         options.setdefault("max_context_len", -(-int(r2t.max_context_len) // page_size) * page_size)
@@ -533,7 +812,9 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
         # SGLang's tree-only RadixCache (its unit tests) has no pools: the radix backend serves it without.
         init = CacheInitParams(
             req_to_token_pool=cast(Any, None if r2t is None else ReqToTokenPoolView(r2t)),
-            token_to_kv_pool_allocator=cast(Any, None if alloc is None else AllocatorView(alloc)),
+            token_to_kv_pool_allocator=cast(
+                Any, None if alloc is None else SWAAllocatorView(alloc) if swa else AllocatorView(alloc)
+            ),
             page_size=page_size,
             config=config,
         )
@@ -556,15 +837,14 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
     if target.backend == "radix":
         if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: a HybridReqToTokenPool (mamba states) "
-                                     "needs kvcore-mamba or kvcore-unified")
+                                     "is not served by kvcore-sglang yet (kvcore-mamba is not registered)")
         cache = _build_kvcore(
             target, "radix", params,
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
-            # SGLang's allocator keeps no record of who owns a slot, so kvcore's strict slot claims
-            # have nothing to record in; key checks stay on.
-            strict=False,
+            # Key checks are always on; the slot checks (claims) on request (strict_slots()).
+            strict=strict_slots() and params.token_to_kv_pool_allocator is not None,
         )
     elif target.backend == "unified":
         # SGLang's default tree; on a full-attention model its one component is full.
@@ -574,8 +854,32 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
-            strict=False,
+            strict=strict_slots(),
         )
+    elif target.backend == "swa":
+        alloc = params.token_to_kv_pool_allocator
+        # Exactly SGLang's two-pool allocator: its pure-SWA and shared (multi-ended) variants keep
+        # other free lists, which kvcore-swa's view does not model.
+        if type(alloc) is not SWATokenToKVPoolAllocator:
+            raise UnsupportedContext(
+                f"--radix-cache-backend {target.name}: needs SGLang's SWATokenToKVPoolAllocator (full + window "
+                f"pools), got {type(alloc).__name__}"
+            )
+        if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: a model with both sliding-window and "
+                                     "mamba layers (HybridReqToTokenPool) is not supported by kvcore")
+        if not params.sliding_window_size:
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: SGLang gave no sliding_window_size")
+        cache = _build_kvcore(
+            target, "swa", params,
+            swa_size=int(alloc.size_swa) // int(params.page_size) * int(params.page_size),
+            sliding_window_size=int(params.sliding_window_size),
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            strict=strict_slots(),
+        )
+        return KvcoreSWATreeCache(target, cache, params)
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")

@@ -139,3 +139,93 @@ def test_metrics_collector_is_sglangs():
         cache = create_tree_cache(make_ctx(server_args, enable_metrics=True))
     assert cache.metrics_collector is not None
     assert type(cache.metrics_collector).__module__.startswith("sglang.")
+
+
+def make_swa_ctx(server_args, *, page_size=1, size=64, size_swa=32, window=8, **params):
+    """A hybrid sliding-window model's context: SGLang's SWATokenToKVPoolAllocator over its SWAKVPool."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    pool = SWAKVPool(size=size, size_swa=size_swa, page_size=page_size, dtype=torch.float16, head_num=1, head_dim=1,
+                     swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    alloc = SWATokenToKVPoolAllocator(size, size_swa, page_size, torch.float16, "cpu", pool, False)
+    init = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 32, "cpu", False),
+                           token_to_kv_pool_allocator=alloc, page_size=page_size, sliding_window_size=window,
+                           **params)
+    return TreeCacheBuildContext(
+        server_args=server_args, params=init, is_hybrid_swa=True, is_hybrid_ssm=False,
+        enable_hierarchical_cache=False, disable_radix_cache=False, effective_chunked_prefill_size=None,
+        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )
+
+
+def test_create_tree_cache_builds_kvcore_swa_on_sglangs_swa_allocator(caplog):
+    from kvcore_sglang.v0_5_19 import KvcoreSWATreeCache
+
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-swa") as server_args:
+        ctx = make_swa_ctx(server_args, page_size=4, window=8)
+        with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
+            cache = create_tree_cache(ctx)
+    assert isinstance(cache, KvcoreSWATreeCache) and "source=registered('kvcore-swa')" in caplog.text
+    assert cache.supports_swa() and cache.sliding_window_size == 8 and not cache.is_chunk_cache()
+    view = cache.kvcore_cache.token_to_kv_pool_allocator
+    assert view.sglang is ctx.params.token_to_kv_pool_allocator
+    assert (view.size_full, view.size_swa) == (64, 32)
+    assert cache.total_size() == (0, 0)
+    assert cache.full_evictable_size() == cache.swa_evictable_size() == cache.swa_protected_size() == 0
+    kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
+
+
+@pytest.mark.parametrize(
+    ("ctx_options", "says"),
+    [
+        ({"eviction_policy": "lfu"}, "only 'lru' applies"),
+        ({"is_eagle": True}, "EAGLE speculative decoding"),
+        ({"window": 31}, "cannot hold one request's window"),
+    ],
+)
+def test_kvcore_swa_refuses_what_it_cannot_serve(ctx_options, says):
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-swa") as server_args:
+        ctx = make_swa_ctx(server_args, **ctx_options)
+        with pytest.raises(UnsupportedContext, match=says):
+            create_tree_cache(ctx)
+    alloc = ctx.params.token_to_kv_pool_allocator
+    assert (alloc.full_available_size(), alloc.swa_available_size()) == (64, 32)
+
+
+def test_kvcore_swa_refuses_full_models_and_other_allocators():
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-swa") as server_args:
+        with pytest.raises(UnsupportedContext, match="full model, which kvcore-swa does not serve"):
+            create_tree_cache(make_ctx(server_args))
+        with pytest.raises(UnsupportedContext, match="needs SGLang's SWATokenToKVPoolAllocator"):
+            create_tree_cache(make_ctx(server_args, hybrid_swa=True, sliding_window_size=8))
+
+
+def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: a request whose row names slots SGLang's allocator holds free is refused."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+        ctx = make_ctx(server_args)
+        cache = create_tree_cache(ctx)
+    alloc, r2t = ctx.params.token_to_kv_pool_allocator, ctx.params.req_to_token_pool
+    req = Req("r", "", array("q", [1, 2, 3, 4]), SamplingParams())
+    req.kv.req_pool_idx = r2t.alloc([req])[0]
+    held = alloc.alloc(2)
+    # Two slots the request holds, two that are still free in SGLang's allocator.
+    r2t.req_to_token[req.kv.req_pool_idx, :4] = torch.cat((held, torch.tensor([60, 61]))).to(torch.int32)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = 4
+    before = alloc.free_pages.tolist()
+    with pytest.raises(ValueError, match="slot 60 is free"):
+        cache.cache_finished_req(req, kv_len_to_handle=4)
+    assert alloc.free_pages.tolist() == before and cache.total_size() == 0
+    with pytest.raises(UnsupportedContext, match="KVCORE_SGLANG_STRICT='yes'"):
+        monkeypatch.setenv("KVCORE_SGLANG_STRICT", "yes")
+        with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
+            create_tree_cache(make_ctx(server_args))

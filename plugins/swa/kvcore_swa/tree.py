@@ -188,14 +188,11 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
 
         Locks held on the old tree die with it: call this only when no request runs.
         """
-        live: list[torch.Tensor] = []
-        dead: list[torch.Tensor] = []
         nodes = list(iter_subtree(self.root_node))
-        for node in nodes:
-            (dead if node.tombstone else live).append(node.value)
+        frees: list[tuple[str, torch.Tensor]] = [("full" if node.tombstone else "both", node.value) for node in nodes]
         for node in nodes:
             node.parent = None
-        self._free_batch(live, dead, [])
+        self._free_batch(frees)
         self._build_empty()
         self.record_cleared()
 
@@ -645,12 +642,10 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             return EvictResult(0, 0)
         root = self.root_node
         full_evicted = swa_evicted = 0
-        # The slots go back to the pools in one call per kind once the walk is done (a free
-        # costs a dozen tensor operations whatever its size): live leaves (both sides),
-        # tombstones (full side only) and window-only frees of the nodes tombstoned here.
-        live: list[torch.Tensor] = []
-        dead: list[torch.Tensor] = []
-        swa_only: list[torch.Tensor] = []
+        # The slots go back to the pools once the walk is done (_free_batch), in the order
+        # SGLang frees them node by node: live leaves (both sides), tombstones (full side
+        # only) and window-only frees of the nodes tombstoned here.
+        frees: list[tuple[str, torch.Tensor]] = []
 
         if num_tokens > 0:
             x = self.full_lru.lru_unlocked(leaf_only=True)
@@ -661,8 +656,8 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
                 full_evicted += n
                 if not x.tombstone:
                     swa_evicted += n
-                self._delete_leaf(x, live, dead)
-                top, freed = self._prune_tombstones(parent, dead)
+                self._delete_leaf(x, frees)
+                top, freed = self._prune_tombstones(parent, frees)
                 full_evicted += freed
                 if top is not root and not top.children:
                     # An ancestor became a leaf and may be older than nxt.
@@ -675,7 +670,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
                 nxt = self.swa_lru.prev_unlocked(x)
                 n = len(x.key)
                 if x.children or x.lock_ref > 0:
-                    swa_only.append(x.value)
+                    frees.append(("swa", x.value))
                     self.swa_lru.remove(x)
                     x.tombstone = True
                     self.swa_evictable_size_ -= n
@@ -684,43 +679,62 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
                     parent = x.parent
                     full_evicted += n
                     swa_evicted += n
-                    self._delete_leaf(x, live, dead)
+                    self._delete_leaf(x, frees)
                     # The tombstone leaves this uncovers go too, and are counted.  (SGLang's
                     # window phase frees them without counting them: its num_tokens_evicted
                     # under-reports the full pool's gain there.  Ours is the pool's gain.)
-                    _, freed = self._prune_tombstones(parent, dead)
+                    _, freed = self._prune_tombstones(parent, frees)
                     full_evicted += freed
                 x = nxt
-        self._free_batch(live, dead, swa_only)
+        self._free_batch(frees)
         return EvictResult(full_evicted, swa_evicted)
 
-    def _free_batch(self, live: list[torch.Tensor], dead: list[torch.Tensor], swa_only: list[torch.Tensor]) -> None:
-        """Give back what an eviction took: window sides first (the full-to-window map is read), then full sides."""
+    def _free_batch(self, frees: list[tuple[str, torch.Tensor]]) -> None:
+        """Give back what an eviction took, in the order the walk took it (``both`` / ``full`` / ``swa`` sides).
+
+        The free-list order is SGLang's, whose eviction frees node by node.  At page 1 a free
+        appends its slots (both pools, and the window side read through the map, which the
+        walk does not change), so a run of frees of one kind goes back in one call (a free
+        costs a dozen tensor operations whatever its size); with pages each free sorts its
+        pages and puts them first, so every node's free is a call of its own.
+        """
+        if not frees:
+            return
         alloc = self.token_to_kv_pool_allocator
         empty = self._empty
-        if swa_only:
-            alloc.free_swa(join_values(swa_only, empty))
-        if self.strict and (live or dead):
-            alloc.disown(join_values(live + dead, empty))
-        if live:
-            alloc.free(join_values(live, empty))
-        if dead:
-            alloc.free_full(join_values(dead, empty))
+        if self.strict:
+            owned = [v for kind, v in frees if kind != "swa"]
+            if owned:
+                alloc.disown(join_values(owned, empty))
+        calls: list[tuple[str, list[torch.Tensor]]] = []
+        for kind, value in frees:
+            if calls and calls[-1][0] == kind and self.page_size == 1:
+                calls[-1][1].append(value)
+            else:
+                calls.append((kind, [value]))
+        for kind, values in calls:
+            slots = join_values(values, empty)
+            if kind == "both":
+                alloc.free(slots)
+            elif kind == "full":
+                alloc.free_full(slots)
+            else:
+                alloc.free_swa(slots)
 
-    def _delete_leaf(self, x: SWATreeNode, live: list[torch.Tensor], dead: list[torch.Tensor]) -> None:
+    def _delete_leaf(self, x: SWATreeNode, frees: list[tuple[str, torch.Tensor]]) -> None:
         """Remove unlocked leaf ``x`` (both LRUs, its parent, the size counters).
 
-        Its slots are appended to ``live`` (a node with window slots) or ``dead`` (a
-        tombstone) for the caller to free (``_free_batch``).
+        Its slots are appended to ``frees`` (``both`` sides of a node with window slots,
+        the ``full`` side of a tombstone) for the caller to free (``_free_batch``).
         """
         assert not x.children and x.lock_ref == 0, x
         n = len(x.key)
         self.full_lru.remove(x)
         self.full_evictable_size_ -= n
         if x.tombstone:
-            dead.append(x.value)
+            frees.append(("full", x.value))
         else:
-            live.append(x.value)
+            frees.append(("both", x.value))
             self.swa_lru.remove(x)
             self.swa_evictable_size_ -= n
         del x.parent.children[x.ck]
@@ -729,8 +743,8 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         if self.enable_kv_events:
             record_removed(self._events, x)
 
-    def _prune_tombstones(self, node: SWATreeNode, dead: list[torch.Tensor]) -> tuple[SWATreeNode, int]:
-        """Delete unlocked tombstone leaves from ``node`` upward (their slots to ``dead``).
+    def _prune_tombstones(self, node: SWATreeNode, frees: list[tuple[str, torch.Tensor]]) -> tuple[SWATreeNode, int]:
+        """Delete unlocked tombstone leaves from ``node`` upward (their slots to ``frees``).
 
         Returns (first kept node, tokens taken).
         """
@@ -739,7 +753,7 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
         while node is not root and node.tombstone and not node.children and node.lock_ref == 0:
             parent = node.parent
             freed += len(node.key)
-            self._delete_leaf(node, dead, dead)
+            self._delete_leaf(node, frees)
             node = parent
         return node, freed
 

@@ -493,9 +493,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value)
         prev = ins.prev_prefix_len
         if prev < pos:
-            # The caller's copies of what the tree held (SGLang frees them per node).  Under strict the
-            # allocator's free refuses a node's own slots given back as "duplicates" (use after free).
-            self.token_to_kv_pool_allocator.free(value[prev:pos])
+            self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
         if pos < n:
             # The new leaf's own copy of its slots (one op: cheaper than slice + clone).
@@ -569,6 +567,29 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             node.hit_count += hit
             pos += m
         return pos, node, ids
+
+    def _free_duplicates(self, last: UnifiedNode, value: torch.Tensor, prev: int, pos: int) -> None:
+        """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
+
+        Under strict the allocator refuses a node's own slots given back as "duplicates" (use
+        after free).  SGLang frees them node by node, root first (``free_segment``); at page 1 a
+        free appends its slots, so one free leaves the same order, but with pages each free puts
+        its pages at the front of the free list, so there it is one free per node, as SGLang's.
+        """
+        alloc = self.token_to_kv_pool_allocator
+        if self.page_size == 1:
+            alloc.free(value[prev:pos])
+            return
+        pieces = []
+        end, x = pos, last
+        while x is not self.root_node and end > prev:
+            start = end - len(x.key)
+            pieces.append(max(start, prev))
+            pieces.append(end)
+            end, x = start, x.parent
+        for i in range(len(pieces) - 2, -1, -2):
+            lo, hi = pieces[i], pieces[i + 1]
+            alloc.free_segments([(value[lo:hi], lo)])
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:

@@ -1,0 +1,594 @@
+"""SGLang 0.5.19's own request path on a CPU, for the kvcore-sglang differentials (real SGLang, installed).
+
+Unlike the other ``sglang_*_shim`` modules this one loads nothing from source: it needs
+the real SGLang of ``.venv-sglang`` (``./dev sglang-venv``), and only
+``plugins/sglang/tests`` import it.  It holds what those differentials share:
+
+* CPU stand-ins for what cannot run without a GPU, and nothing else:
+  SGLang's paged allocation kernels ``alloc_extend_kernel`` and ``alloc_decode_kernel``
+  (Triton) are replaced by SGLang's own CPU reference ``alloc_extend_naive`` and a loop
+  that does what ``alloc_decode_kernel`` does (:func:`install_cpu_kernels`);
+  ``write_cache_indices`` (Triton or sgl_kernel) by slice assignments into the row, as
+  that kernel writes; the model forward by sampled tokens from the seeded RNG.
+* :class:`World`: SGLang's pools, one tree cache on them (SGLang's own or the one
+  ``create_tree_cache`` builds for a ``--radix-cache-backend`` name) and the scheduler
+  steps, each through SGLang's own functions (``Req.init_next_round_input``,
+  ``alloc_req_slots``, ``alloc_token_slots``, ``alloc_paged_token_slots_extend`` /
+  ``_decode``, ``maybe_cache_unfinished_req``, ``release_kv_cache``, ``release_req``).
+  :class:`SWAWorld` adds SGLang's ``SWATokenToKVPoolAllocator`` and the window steps
+  (``free_swa_out_of_window_slots`` in a free group, ``dec_swa_lock_only``).
+* :func:`run_stream`: one seeded random stream through two worlds, everything compared
+  after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from typing import Any
+
+import torch
+from kvcore_sglang.v0_5_19 import KvcoreTreeCache, owner_of
+from sglang.srt.managers.schedule_batch import Req, release_req
+from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+from sglang.srt.mem_cache import allocation
+from sglang.srt.mem_cache.allocator import paged
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator, alloc_extend_naive
+from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import free_swa_out_of_window_slots, maybe_cache_unfinished_req, release_kv_cache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.plugins import load_plugins
+from sglang.srt.runtime_context import get_context
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+import kvcore
+
+__all__ = ["SWAWorld", "World", "install_cpu_kernels", "run_stream", "tree_dump"]
+
+
+# ---------------------------------------------------------------------------- CPU stand-ins for the Triton kernels
+
+
+class _Launch:
+    """``kernel[grid](...)`` for a CPU function that does the whole grid at once."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.fn
+
+
+def _alloc_extend_cpu(prefix_lens: Any, seq_lens: Any, last_loc: Any, free_pages: Any, out_indices: Any,
+                      bs_upper: Any, page_size: int) -> None:
+    alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, out_indices.device)
+
+
+def _alloc_decode_cpu(seq_lens: Any, last_loc: Any, free_pages: Any, out_indices: Any, bs_upper: Any,
+                      page_size: int) -> None:
+    # alloc_decode_kernel: a request whose new token opens a page takes the next free page, in batch order.
+    taken = 0
+    for i in range(len(seq_lens)):
+        seq_len = int(seq_lens[i])
+        if (seq_len - 1) % page_size == 0:
+            out_indices[i] = free_pages[taken] * page_size
+            taken += 1
+        else:
+            out_indices[i] = last_loc[i] + 1
+
+
+def install_cpu_kernels(monkeypatch: Any) -> None:
+    """Replace SGLang's two Triton allocation kernels by their CPU equivalents (pytest's ``monkeypatch``)."""
+    monkeypatch.setattr(paged, "alloc_extend_kernel", _Launch(_alloc_extend_cpu))
+    monkeypatch.setattr(paged, "alloc_decode_kernel", _Launch(_alloc_decode_cpu))
+
+
+# ------------------------------------------------------------------ one world: SGLang's pools, a cache, requests
+
+
+class World:
+    """SGLang's pools, one tree cache on them, and the scheduler steps a test drives."""
+
+    is_hybrid_swa = False
+
+    def __init__(self, cache_kind: str, *, size: int, page_size: int, rows: int, width: int,
+                 kvcore_name: str | None = None, **params: Any):
+        self.page_size = page_size
+        self.size = size
+        self.r2t = ReqToTokenPool(rows, width, "cpu", False)
+        self.alloc = self.make_allocator(size, page_size, params)
+        init = CacheInitParams(disable=params.pop("disable", False), req_to_token_pool=self.r2t,
+                               token_to_kv_pool_allocator=self.alloc, page_size=page_size, **params)
+        if kvcore_name is None:
+            self.cache = self.sglang_cache(cache_kind, init)
+        else:
+            load_plugins()
+            with get_context().override_server_args(radix_cache_backend=kvcore_name) as server_args:
+                ctx = TreeCacheBuildContext(
+                    server_args=server_args, params=init, is_hybrid_swa=self.is_hybrid_swa, is_hybrid_ssm=False,
+                    enable_hierarchical_cache=False, disable_radix_cache=False, effective_chunked_prefill_size=None,
+                    tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+                )
+                self.cache = create_tree_cache(ctx)
+            assert isinstance(self.cache, KvcoreTreeCache)
+        self.reqs: dict[str, Req] = {}
+
+    def make_allocator(self, size: int, page_size: int, params: dict) -> Any:
+        if page_size == 1:
+            return TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
+        return PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False)
+
+    def sglang_cache(self, cache_kind: str, init: Any) -> Any:
+        if cache_kind == "unified":
+            init.tree_components = (ComponentType.FULL,)
+            return UnifiedRadixCache(init)
+        return RadixCache(init) if cache_kind == "radix" else ChunkCache(init)
+
+    # -- what the scheduler's budget sees
+    def room(self) -> int:
+        """Tokens an allocation can get, evicting as it must (PrefillAdder's free + evictable)."""
+        return self.alloc.available_size() + self.cache.evictable_size()
+
+    def admit_room(self) -> int:
+        """What admitting a whole prompt may take (PrefillAdder's budget)."""
+        return self.room()
+
+    def free_now(self) -> int:
+        return self.alloc.available_size()
+
+    # -- the scheduler's steps, through SGLang's own functions
+    def new_req(self, rid: str, ids: list[int], extra_key: Any, cache_salt: str | None = None) -> None:
+        self.reqs[rid] = Req(rid, "", array("q", ids), SamplingParams(), extra_key=extra_key, cache_salt=cache_salt)
+
+    def admit(self, rid: str) -> list[int]:
+        """Match (Req.init_next_round_input) and lock, as PrefillAdder does; returns the matched slots."""
+        req = self.reqs[rid]
+        req.init_next_round_input(self.cache)
+        result = self.cache.inc_lock_ref(req.last_node)
+        if self.is_hybrid_swa:  # PrefillAdder._req_inc_lock_ref
+            req.swa_uuid_for_lock = result.swa_uuid_for_lock
+        return req.prefix_indices.tolist()
+
+    def extend(self, rid: str, chunk: int) -> tuple:
+        """One prefill chunk: row, slots (evicting for them), row write; caches the chunk when more follow."""
+        req = self.reqs[rid]
+        start = len(req.prefix_indices)
+        end = min(len(req.full_untruncated_fill_ids), start + chunk)
+        req.set_extend_range(start, end)
+        allocation.alloc_req_slots(self.r2t, [req], self.cache)
+        row = self.r2t.req_to_token[req.kv.req_pool_idx]
+        n = end - start
+        if self.page_size == 1:
+            out = allocation.alloc_token_slots(self.cache, n)
+        else:
+            last = row[start - 1 : start].to(torch.int64) if start else torch.full((1,), -1, dtype=torch.int64)
+            out = allocation.alloc_paged_token_slots_extend(
+                self.cache, torch.tensor([start]), torch.tensor([start]), torch.tensor([end]), torch.tensor([end]),
+                last, n,
+            )
+        # write_cache_indices: the prefix slots, then the new ones.
+        row[:start] = req.prefix_indices.to(torch.int32)
+        row[start:end] = out.to(torch.int32)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        more = end < len(req.full_untruncated_fill_ids)
+        maybe_cache_unfinished_req(req, self.cache, chunked=more)
+        return start, end, out.tolist()
+
+    def decode(self, rids: list[str], tokens: list[int]) -> list:
+        reqs = [self.reqs[r] for r in rids]
+        if self.page_size == 1:
+            out = allocation.alloc_token_slots(self.cache, len(reqs))
+        else:
+            seq = torch.tensor([r.kv.kv_committed_len + 1 for r in reqs])
+            last = torch.stack([self.r2t.req_to_token[r.kv.req_pool_idx, r.kv.kv_committed_len - 1] for r in reqs])
+            out = allocation.alloc_paged_token_slots_decode(self.cache, seq, seq.clone(), last.to(torch.int64))
+        for req, slot, tok in zip(reqs, out.tolist(), tokens):
+            self.r2t.req_to_token[req.kv.req_pool_idx, req.kv.kv_committed_len] = slot
+            req.kv.kv_allocated_len += 1
+            req.kv.kv_committed_len += 1
+            req.output_ids.append(tok)
+        return out.tolist()
+
+    def sample_first(self, rid: str, token: int) -> None:
+        self.reqs[rid].output_ids.append(token)
+
+    def finish(self, rid: str, is_insert: bool = True) -> None:
+        req = self.reqs.pop(rid)
+        if req.kv.holds_kv:
+            release_kv_cache(req, self.cache, is_insert=is_insert)
+        elif req.last_node is not None:
+            # Admitted (matched and locked) but no chunk ran yet: only the lock is given back.
+            self.cache.dec_lock_ref(req.last_node, DecLockRefParams(swa_uuid_for_lock=req.swa_uuid_for_lock))
+
+    def retract(self, rid: str, remaining: int) -> None:
+        release_req(req=self.reqs[rid], remaing_req_count=remaining, req_to_token_pool=self.r2t,
+                    token_to_kv_pool_allocator=self.alloc, tree_cache=self.cache, hisparse_coordinator=None,
+                    offload_kv=False)
+
+    def evict(self, n: int) -> Any:
+        return self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+    def probe(self, ids: list[int], extra_key: Any, cache_salt: str | None = None) -> list[int]:
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), extra_key, cache_salt=cache_salt)))
+        return m.device_indices.tolist()
+
+    def dfs_order(self, rids: list[str]) -> list[int]:
+        """The DFS-weight schedule policy's order of these requests (it walks root_node's children)."""
+        return self.cache.dfs_weight_order([self.reqs[r].last_node for r in rids])
+
+    # -- what the two worlds must agree on
+    def req_state(self, r: Req) -> tuple:
+        kv = r.kv
+        held = kv.req_pool_idx is not None
+        row = self.r2t.req_to_token[kv.req_pool_idx, : kv.kv_allocated_len].tolist() if held else []
+        return (kv.req_pool_idx, kv.cache_protected_len, kv.kv_committed_len, kv.kv_allocated_len, row,
+                r.prefix_indices.tolist(), list(r.output_ids))
+
+    def pool_state(self) -> dict:
+        a = self.alloc
+        return {"free_pages": a.free_pages.tolist(), "release_pages": a.release_pages.tolist(),
+                "available": a.available_size()}
+
+    def state(self) -> dict:
+        cache = self.cache
+        return {
+            **self.pool_state(),
+            "rows": list(self.r2t.free_slots),
+            "evictable": cache.evictable_size() if not self.is_hybrid_swa else None,
+            "protected": cache.protected_size() if not self.is_hybrid_swa else None,
+            "total": None if cache.is_chunk_cache() else full_total(cache),
+            "tree": None if cache.is_chunk_cache() else tree_dump(cache.root_node),
+            "reqs": {rid: self.req_state(r) for rid, r in sorted(self.reqs.items())},
+            "events": [repr(e) for e in cache.take_events()],
+        }
+
+    def uncached(self) -> tuple[int, int]:
+        """Running requests' slots the tree does not hold: (full, window), as the scheduler's busy check counts."""
+        ps = self.page_size
+        full = swa = 0
+        for r in self.reqs.values():
+            if r.kv.holds_kv:
+                allocated = -(-r.kv.kv_allocated_len // ps) * ps
+                full += allocated - r.kv.cache_protected_len
+                swa += allocated - max(r.kv.cache_protected_len, r.kv.swa_evicted_seqlen)
+        return full, swa
+
+    def check_memory(self) -> None:
+        """SGLang's own pool check (the scheduler's, busy form: running requests' slots counted as uncached)."""
+        leak, msg = SchedulerInvariantChecker._check_pool_invariant(
+            "full", self.alloc.available_size(), self.cache.evictable_size(), self.cache.protected_size(), 0,
+            self.size, self.uncached()[0],
+        )
+        assert not leak, msg
+        self.check_kvcore()
+
+    def check_kvcore(self) -> None:
+        if isinstance(self.cache, KvcoreTreeCache):
+            kvcore.InvariantChecker(self.cache.kvcore_cache).check(owners=[owner_of(r) for r in self.reqs.values()])
+
+    def idle(self) -> bool:
+        """Nothing runs: the pools hold only the tree (SGLang's idle check, exactly)."""
+        return self.alloc.available_size() + self.cache.evictable_size() == self.size
+
+
+class SWAWorld(World):
+    """A hybrid sliding-window model: SGLang's ``SWATokenToKVPoolAllocator`` (full + window pools).
+
+    Under it SGLang's own ``SWAKVPool``, one full and one window layer of one head of
+    width 1, so its buffers are a few bytes.  The window steps are the scheduler's
+    (``ScheduleBatch.maybe_evict_swa``): ``free_swa_out_of_window_slots`` for decoding
+    requests in one free group, ``dec_swa_lock_only`` once a request decoded past the window.
+    """
+
+    is_hybrid_swa = True
+
+    def __init__(self, cache_kind: str, *, swa_size: int, window: int, **kw: Any):
+        self.swa_size = swa_size
+        self.window = window
+        super().__init__(cache_kind, sliding_window_size=window, **kw)
+
+    def make_allocator(self, size: int, page_size: int, params: dict) -> Any:
+        pool = SWAKVPool(size=size, size_swa=self.swa_size, page_size=page_size, dtype=torch.float16, head_num=1,
+                         head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+        return SWATokenToKVPoolAllocator(size, self.swa_size, page_size, torch.float16, "cpu", pool, False)
+
+    def sglang_cache(self, cache_kind: str, init: Any) -> Any:
+        assert cache_kind == "swa", cache_kind
+        return SWARadixCache(init)
+
+    def room(self) -> int:
+        a, c = self.alloc, self.cache
+        return min(a.full_available_size() + c.full_evictable_size(), a.swa_available_size() + c.swa_evictable_size())
+
+    def admit_room(self) -> int:
+        # The whole prompt needs full slots; of the window pool only each chunk's (chunks are cached
+        # as they run, and window eviction frees what left the window).
+        return self.alloc.full_available_size() + self.cache.full_evictable_size()
+
+    def free_now(self) -> int:
+        return min(self.alloc.full_available_size(), self.alloc.swa_available_size())
+
+    def free_window(self, rids: list[str], interval: int) -> None:
+        """``maybe_evict_swa`` for a decode batch: free what left each window, in one free group."""
+        self.alloc.free_group_begin()
+        for rid in rids:
+            req = self.reqs[rid]
+            seqlen = len(req.origin_input_ids) + len(req.output_ids)
+            if req.kv.holds_kv and seqlen - 1 - self.window >= req.kv.swa_evicted_seqlen + interval:
+                free_swa_out_of_window_slots(
+                    req, seqlen - 1, sliding_window_size=self.cache.sliding_window_size, page_size=self.page_size,
+                    req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
+                    is_chunk_cache=self.cache.is_chunk_cache(), retain_floor=self.cache.swa_retain_floor(req),
+                )
+        self.alloc.free_group_end()
+
+    def release_window_lock(self, rid: str) -> None:
+        """What the scheduler does with SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW once a request is past it."""
+        req = self.reqs[rid]
+        self.cache.dec_swa_lock_only(req.last_node, req.swa_uuid_for_lock, skip_lock_node_ids=req.skip_lock_node_ids)
+        req.swa_prefix_lock_released = True
+
+    def evict(self, n: int, swa_n: int = 0) -> Any:
+        """Both pools' gain and the window count.
+
+        Known difference: SGLang's window phase deletes the tombstone leaves a deleted
+        leaf uncovers without counting them in ``num_tokens_evicted`` (its full phase
+        counts them); kvcore-swa reports the full pool's gain.  So the answer compared
+        is the gain, and :attr:`undercounts` counts SGLang's short reports.
+        """
+        before = self.alloc.full_available_size()
+        done = self.cache.evict(EvictParams(num_tokens=n, swa_num_tokens=swa_n))
+        gain = self.alloc.full_available_size() - before
+        if done.num_tokens_evicted != gain:
+            assert not isinstance(self.cache, KvcoreTreeCache), (done, gain)
+            assert done.num_tokens_evicted < gain, (done, gain)
+            self.undercounts = getattr(self, "undercounts", 0) + 1
+        return gain, done.swa_num_tokens_evicted
+
+    def req_state(self, r: Req) -> tuple:
+        return (*super().req_state(r), r.kv.swa_evicted_seqlen, r.swa_prefix_lock_released,
+                r.swa_uuid_for_lock is None)
+
+    def pool_state(self) -> dict:
+        a, c = self.alloc, self.cache
+        return {
+            "free_pages": a.full_attn_allocator.free_pages.tolist(),
+            "release_pages": a.full_attn_allocator.release_pages.tolist(),
+            "swa_free_pages": a.swa_attn_allocator.free_pages.tolist(),
+            "swa_release_pages": a.swa_attn_allocator.release_pages.tolist(),
+            "mapping": a.full_to_swa_index_mapping.tolist(),
+            "available": (a.full_available_size(), a.swa_available_size()),
+            "sizes": (c.full_evictable_size(), c.full_protected_size(), c.swa_evictable_size(),
+                      c.swa_protected_size()),
+        }
+
+    def state(self) -> dict:
+        out = super().state()
+        # SGLang's SWARadixCache answers the plain sizes by raising: the four above stand for them.
+        del out["evictable"], out["protected"]
+        out["total"] = self.cache.total_size()
+        return out
+
+    def check_memory(self) -> None:
+        a, c = self.alloc, self.cache
+        full_uncached, swa_uncached = self.uncached()
+        for leak, msg in (
+            SchedulerInvariantChecker._check_pool_invariant(
+                "full", a.full_available_size(), c.full_evictable_size(), c.full_protected_size(), 0, self.size,
+                full_uncached),
+            SchedulerInvariantChecker._check_pool_invariant(
+                "swa", a.swa_available_size(), c.swa_evictable_size(), c.swa_protected_size(), 0, self.swa_size,
+                swa_uncached),
+        ):
+            assert not leak, msg
+        self.check_kvcore()
+
+    def idle(self) -> bool:
+        a, c = self.alloc, self.cache
+        return (a.full_available_size() + c.full_evictable_size() == self.size
+                and a.swa_available_size() + c.swa_evictable_size() == self.swa_size)
+
+
+def full_total(cache: Any) -> int:
+    total = cache.total_size()
+    # SGLang's UnifiedRadixCache answers (full, swa) tokens.
+    return total[0] if isinstance(total, tuple) else total
+
+
+def tree_dump(root: Any) -> list:
+    """Every node as (path of token ids, its slots, lock_ref[, window lock, tombstone]), sorted: the same for both.
+
+    SGLang's unified nodes keep the full value and lock in their FULL component's data;
+    SWA nodes (SGLang's and kvcore-swa's) add the window lock and the tombstone mark.
+    """
+    out = []
+    stack = [((), root)]
+    while stack:
+        path, node = stack.pop()
+        key = list(node.key.token_ids) if isinstance(node.key, RadixKey) else list(node.key)
+        data = getattr(node, "component_data", None)
+        holder = node if data is None else data[ComponentType.FULL]
+        value = [] if holder.value is None or isinstance(holder.value, list) else holder.value.tolist()
+        full = path + tuple(key)
+        # The root is never evicted: SGLang's unified root holds no lock where its RadixCache root holds one.
+        windowed = hasattr(node, "swa_lock_ref")
+        lock = None if node is root else node.full_lock_ref if windowed else holder.lock_ref
+        row: tuple = (full, value, lock)
+        if windowed:
+            row += (node.swa_lock_ref, bool(node.swa_tombstone)) if node is not root else (None, None)
+        out.append(row)
+        for child in node.children.values():
+            stack.append((full, child))
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------- the random streams
+
+
+def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, steps: int,
+               chunks: tuple[int, ...] = (8, 16, 1000), world: type[World] = World, size: int = 112,
+               world_options: dict | None = None, finish_weight: float = 2, salts: bool = False,
+               **params: Any) -> dict:
+    """One seeded stream through SGLang's cache and the kvcore one; returns how often each step ran.
+
+    ``finish_weight`` against decode's 5: lower makes requests decode longer (past a window).
+    ``salts``: requests and probes also carry a ``cache_salt`` (two salts, or none).
+    """
+    rng = random.Random(seed)
+    # Small pools: allocation often has to evict (evict_from_tree_cache) and admission to retract.
+    kw = dict(size=size, page_size=page_size, rows=8, width=256, **(world_options or {}), **params)
+    ref = world(cache_kind, **kw)
+    ours = world(cache_kind, kvcore_name=kvcore_name, **kw)
+    worlds = (ref, ours)
+    windowed = isinstance(ref, SWAWorld)
+    prompts = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 48))] for _ in range(6)]
+    waiting: list[str] = []   # admitted next
+    prefilling: dict[str, int] = {}   # rid -> chunk size
+    running: list[str] = []
+    counts = dict.fromkeys(["admit", "chunk", "decode", "finish", "abort", "retract", "evict", "probe", "pressure",
+                            "alloc_evict", "window_free", "window_lock"], 0)
+    next_id = 0
+
+    def both(method: str, *args: Any) -> Any:
+        answers = [getattr(w, method)(*args) for w in worlds]
+        assert answers[0] == answers[1], f"seed {seed}: {method}{args}: SGLang {answers[0]} kvcore {answers[1]}"
+        return answers[0]
+
+    def need_tokens(n_new: int) -> int:
+        return n_new + (len(running) + 1) * page_size
+
+    for step in range(steps):
+        live = len(prefilling) + len(running)
+        # One of the steps possible now, by weight (no fall-through to whatever comes last).
+        weights = {
+            "new": 3 if len(waiting) < 4 else 0,
+            "admit": 3 if waiting and live < 6 else 0,
+            "chunk": 4 if prefilling else 0,
+            "decode": 5 if running else 0,
+            "finish": finish_weight if running else 0,
+            "abort": 0.6 if live else 0,
+            "evict": 0.4,
+            "probe": 0.8,
+        }
+        op = rng.choices(list(weights), weights=list(weights.values()))[0]
+        if op == "new":
+            base = rng.choice(prompts)
+            ids = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(1, 40) for _ in range(rng.randrange(0, 24))]
+            rid = f"r{next_id}"
+            next_id += 1
+            extra = rng.choice([None, None, None, "lora-a"])
+            salt = rng.choice([None, None, "salt-1", "salt-2"]) if salts else None
+            for w in worlds:
+                w.new_req(rid, ids, extra, salt)
+            waiting.append(rid)
+        elif op == "admit":
+            rid = waiting[0]
+            req = ref.reqs[rid]
+            # PrefillAdder's budget: what the whole prompt needs must fit in free + evictable.
+            want = len(req.origin_input_ids) + len(req.output_ids)
+            if need_tokens(want) > ref.admit_room():
+                counts["pressure"] += 1
+                if running:
+                    victim = running.pop(rng.randrange(len(running)))
+                    both("retract", victim, len(running))
+                    waiting.append(victim)
+                    counts["retract"] += 1
+                continue
+            waiting.pop(0)
+            both("admit", rid)
+            prefilling[rid] = rng.choice(chunks)
+            counts["admit"] += 1
+        elif op == "chunk":
+            rid = rng.choice(sorted(prefilling))
+            req = ref.reqs[rid]
+            start = len(req.prefix_indices)
+            end = min(len(req.full_untruncated_fill_ids), start + prefilling[rid])
+            if need_tokens(end - start) > ref.room():
+                counts["pressure"] += 1
+                continue
+            # What evict_from_tree_cache asks for before this allocation (SGLang over-estimates a page when paged).
+            counts["alloc_evict"] += (end - start) + (page_size if page_size > 1 else 0) > ref.free_now()
+            both("extend", rid, prefilling[rid])
+            counts["chunk"] += 1
+            if end == len(req.full_untruncated_fill_ids):
+                del prefilling[rid]
+                both("sample_first", rid, rng.randrange(1, 40))
+                running.append(rid)
+        elif op == "decode":
+            batch = rng.sample(running, rng.randrange(1, len(running) + 1))
+            if need_tokens(len(batch)) > ref.room():
+                counts["pressure"] += 1
+                victim = running.pop(rng.randrange(len(running)))
+                both("retract", victim, len(running))
+                waiting.append(victim)
+                counts["retract"] += 1
+                continue
+            if windowed:
+                # maybe_evict_swa runs before the decode batch's allocation.
+                before = ref.alloc.swa_available_size()
+                both("free_window", sorted(batch), page_size)
+                counts["window_free"] += ref.alloc.swa_available_size() > before
+                for rid in sorted(batch):
+                    r = ref.reqs[rid]
+                    if (r.last_node is not None and r.swa_uuid_for_lock is not None
+                            and not r.swa_prefix_lock_released and len(r.output_ids) >= ref.window
+                            and rng.random() < 0.5):
+                        both("release_window_lock", rid)
+                        counts["window_lock"] += 1
+            counts["alloc_evict"] += len(batch) * page_size > ref.free_now()
+            both("decode", sorted(batch), [rng.randrange(1, 40) for _ in batch])
+            counts["decode"] += 1
+        elif op == "finish":
+            rid = running.pop(rng.randrange(len(running)))
+            both("finish", rid)
+            counts["finish"] += 1
+        elif op == "abort":
+            pool = sorted(prefilling) + running
+            rid = rng.choice(pool)
+            prefilling.pop(rid, None)
+            if rid in running:
+                running.remove(rid)
+            # An aborted request: SGLang releases it without inserting (nothing was admitted twice).
+            both("finish", rid, False)
+            counts["abort"] += 1
+        elif op == "evict":
+            n = rng.randrange(0, 3 * page_size * 4)
+            if windowed:
+                both("evict", n, rng.choice([0, 0, rng.randrange(0, 3 * page_size * 4)]))
+            else:
+                both("evict", n)
+            counts["evict"] += 1
+        else:
+            base = rng.choice(prompts)
+            both("probe", base[: rng.randrange(0, len(base) + 1)], rng.choice([None, "lora-a"]),
+                 rng.choice([None, "salt-1"]) if salts else None)
+            counts["probe"] += 1
+            locked = sorted(r for r in ref.reqs if ref.reqs[r].last_node is not None)
+            if locked and not ref.cache.is_chunk_cache() and not windowed:
+                both("dfs_order", locked)
+        s0, s1 = ref.state(), ours.state()
+        for field in s0:
+            assert s0[field] == s1[field], (
+                f"seed {seed} step {step} ({op}): {field} differs\nSGLang: {s0[field]}\nkvcore: {s1[field]}"
+            )
+        for w in worlds:
+            w.check_memory()
+    # Drain: everything finishes, the pools hold only the tree, and SGLang's idle check holds exactly.
+    for rid in sorted(prefilling) + running:
+        both("finish", rid, False)
+    for w in worlds:
+        w.check_memory()
+        assert w.idle()
+    assert ref.state() == ours.state()
+    counts["sglang_undercounts"] = getattr(ref, "undercounts", 0)
+    return counts
