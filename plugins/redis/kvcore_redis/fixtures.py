@@ -1,4 +1,4 @@
-"""pytest fixtures of real redis-server processes on 127.0.0.1 (free ports, data under pytest's tmp, stopped at the end).
+"""pytest fixtures of real redis-server processes on 127.0.0.1: free ports, data under pytest's tmp, stopped at the end.
 
 Any test suite may use them: import the fixtures it needs into its ``conftest.py``
 (``from kvcore_redis.fixtures import redis_server``).  They need Debian's
