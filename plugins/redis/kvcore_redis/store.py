@@ -1,7 +1,8 @@
 """Redis stores: one server, or a Cluster addressed node by node.
 
 Every batch is one pipeline per server (a Cluster: one per node the keys map
-to), sent without a transaction.  A server that fails (refused, reset, past
+to, the nodes' pipelines sent at once from a small thread pool, so a batch costs
+the slowest node's round trip, not their sum), sent without a transaction.  A server that fails (refused, reset, past
 ``timeout``, out of memory) fails only its own part of the batch: those keys
 miss or their writes answer False, one error is counted, and the server is
 skipped for ``backoff`` seconds.  The Cluster client is used for its slot map
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,6 +30,8 @@ from kvcore_redis.config import RedisOptions
 __all__ = ["RedisStore", "RedisClusterStore"]
 
 _SLOTS = 16384
+# Threads that send one batch's per-node pipelines at once (a Cluster of more masters queues the rest).
+_MAX_PARALLEL_NODES = 16
 # Everything kvcore writes starts with this; clear() deletes only these keys.
 _KVCORE_KEYS = "kvcore*"
 
@@ -69,6 +73,7 @@ class _RedisBase(KVStore):
         super().__init__(url, opts.ttl)
         self.options = opts
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # made on the first batch that spans two nodes
 
     def _groups(self, keys: list[str]) -> list[tuple[_Node, list[int]]]:
         """The keys' positions grouped by the node that holds them."""
@@ -85,19 +90,37 @@ class _RedisBase(KVStore):
                   run: Callable[[_Node, list[str], list[int]], Sequence[Any]]) -> list[Any]:
         out: list[Any] = [miss] * len(keys)
         now = time.monotonic()
+        todo = []
         for node, idx in self._groups(keys):
             if node.retry_at > now:
                 self._failed(what, ConnectionError(f"{node.name} failed less than backoff={self.options.backoff}s ago"))
-                continue
+            else:
+                todo.append((node, idx))
+
+        def one(node: _Node, idx: list[int]) -> Sequence[Any] | None:
             try:
-                got = run(node, [keys[i] for i in idx], idx)
+                return run(node, [keys[i] for i in idx], idx)
             except (redis.RedisError, OSError) as exc:
                 node.retry_at = time.monotonic() + self.options.backoff
                 self._failed(what, exc)
-                continue
-            for i, v in zip(idx, got, strict=True):
-                out[i] = v
+                return None
+
+        if len(todo) > 1:
+            # Each node's client has its own connection pool: the pipelines go out at once.
+            results = list(self._executor().map(lambda group: one(*group), todo))
+        else:
+            results = [one(node, idx) for node, idx in todo]
+        for (_, idx), got in zip(todo, results, strict=True):
+            if got is not None:
+                for i, v in zip(idx, got, strict=True):
+                    out[i] = v
         return out
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_MAX_PARALLEL_NODES, thread_name_prefix="kvcore-redis")
+            return self._pool
 
     def _exists(self, keys: list[str]) -> list[bool]:
         def run(node: _Node, ks: list[str], _: list[int]) -> list[bool]:
@@ -138,6 +161,8 @@ class _RedisBase(KVStore):
             pipe.execute()
 
     def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for node in self._all_nodes():
             node.client.close()
 
@@ -283,5 +308,7 @@ class RedisClusterStore(_RedisBase):
         return [self._node(n) for n in dict.fromkeys(self._slots) if n]
 
     def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for node in self._nodes.values():
             node.client.close()
