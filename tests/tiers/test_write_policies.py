@@ -39,13 +39,19 @@ def reread(cache, tokens, kv, want):
     kvcore.InvariantChecker(cache).check()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_selective_writes_a_page_once_a_second_request_caches_it(backend):
-    cache = build(backend, host_size=128, host_write_policy="write_through_selective")
+def one_request(backend, policy):
+    """A cache with a host tier under ``policy`` after one finished request of 8 whole pages, none written yet."""
+    cache = build(backend, host_size=128, host_write_policy=policy)
     tokens = list(range(7, 7 + 33))
     req, _, kv = serve(cache, "r1", tokens)
     finish(cache, req)
-    assert host_tokens(cache) == 0  # one hit: below SGLang's threshold of 2
+    assert host_tokens(cache) == 0
+    return cache, tokens, kv
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_selective_writes_a_page_once_a_second_request_caches_it(backend):
+    cache, tokens, kv = one_request(backend, "write_through_selective")  # one hit: below SGLang's threshold of 2
     second = make_req("r2", tokens)
     assert admit(cache, second) and prefill(cache, second)
     finish(cache, second)
@@ -79,11 +85,7 @@ def test_selective_counts_no_hit_for_a_chunked_prefill():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_back_writes_nothing_until_the_device_evicts(backend):
-    cache = build(backend, host_size=128, host_write_policy="write_back")
-    tokens = list(range(7, 7 + 33))
-    req, _, kv = serve(cache, "r", tokens)
-    finish(cache, req)
-    assert host_tokens(cache) == 0
+    cache, tokens, kv = one_request(backend, "write_back")
     cache.evict(10_000)
     assert cache.evictable_size() == 0
     assert host_tokens(cache) == 32
