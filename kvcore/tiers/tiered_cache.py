@@ -213,25 +213,21 @@ class TieredCacheMixin:
     # -- write-through: finished pages to host and store ---------------------------------
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        if not is_insert or self._tiers_off:
-            super().cache_finished_req(req, is_insert)  # type: ignore[misc]
-            return
-        if self._threshold:
+        on = is_insert and not self._tiers_off
+        if on and self._threshold:
             self._write_through(req, chunked=False)
-        key = self._committed_key(req)
+        key = self._committed_key(req) if on and not self._threshold else None  # write_back
         super().cache_finished_req(req, is_insert)  # type: ignore[misc]
-        if not self._threshold and key is not None:
+        if key is not None:
             self._note_tree_pages(key)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if self._tiers_off:
-            super().cache_unfinished_req(req, chunked)  # type: ignore[misc]
-            return
-        if self._threshold:
+        on = not self._tiers_off
+        if on and self._threshold:
             self._write_through(req, chunked)
-        key = self._committed_key(req)
+        key = self._committed_key(req) if on and not self._threshold else None  # write_back
         super().cache_unfinished_req(req, chunked)  # type: ignore[misc]
-        if not self._threshold and key is not None:
+        if key is not None:
             self._note_tree_pages(key)
 
     def _committed_key(self, req: Any) -> RadixKey | None:
