@@ -35,7 +35,7 @@ the K/V shape, dtype, page size and ``store_layout`` name the namespace.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -210,7 +210,7 @@ class TieredCacheMixin:
         pages = min(pages, alloc.available_size() // ps)
         return alloc.alloc(pages * ps) if pages else None
 
-    # -- write-through: finished pages to host and store ---------------------------------
+    # -- write policies: cached pages to host and store ---------------------------------
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
         on = is_insert and not self._tiers_off
@@ -222,6 +222,8 @@ class TieredCacheMixin:
             self._note_tree_pages(key)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        # A prefill chunk's pages are computed too: under write_through a session turn that never finishes
+        # still shares them (write_through_selective counts no hit for a chunk, as SGLang).
         on = not self._tiers_off
         if on and self._threshold:
             self._write_through(req, chunked)
@@ -306,7 +308,7 @@ class TieredCacheMixin:
             key_at[first] = k
             page_of[k] = first
 
-    def evicting(self, values: Any) -> None:
+    def evicting(self, values: Sequence[torch.Tensor]) -> None:
         super().evicting(values)  # type: ignore[misc]
         if self._threshold or not self._key_at:
             return
