@@ -11,7 +11,13 @@ alternates the two sides ``--repeat`` times:
 Reports each side's median bytes/s for SET and GET and kvcore's share of
 redis-benchmark's.  The issue's target is a share of at least 0.5.
 
+``--cluster N`` runs the same on an N-master Redis Cluster: kvcore's
+``redis+cluster://`` store (one pipeline per master, sent at once from its
+thread pool) against ``redis-benchmark --cluster -c N`` (one pipelined client
+per master).
+
     python benchmarks/bench_store.py [--value-size 262144] [--batch 16] [--total-mb 512] [--repeat 3] [--json]
+    python benchmarks/bench_store.py --cluster 3
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from kvcore_redis.servers import RedisServer, redis_server_missing
+from kvcore_redis.servers import RedisClusterServers, RedisServer, redis_server_missing
 
 import kvcore
 
@@ -55,11 +61,12 @@ def kvcore_side(url: str, value_size: int, batch: int, total: int) -> dict[str, 
     return {"set_Bps": moved / set_s, "get_Bps": moved / get_s}
 
 
-def redis_benchmark_side(port: int, value_size: int, batch: int, total: int) -> dict[str, float]:
+def redis_benchmark_side(port: int, value_size: int, batch: int, total: int, cluster: int = 0) -> dict[str, float]:
     n = max(batch, total // value_size)
+    mode = ["--cluster", "-c", str(cluster)] if cluster else ["-c", "1"]
     out = subprocess.run(
         ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(value_size),
-         "-n", str(n), "-P", str(batch), "-c", "1", "-r", str(n), "--csv"],
+         "-n", str(n), "-P", str(batch), *mode, "-r", str(n), "--csv"],
         check=True, capture_output=True, text=True, timeout=600,
     ).stdout
     rps = {row[0]: float(row[1]) for row in csv.reader(io.StringIO(out)) if row and row[0] in ("SET", "GET")}
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="values per batch / pipeline depth")
     ap.add_argument("--total-mb", type=int, default=512, help="MB moved per side, per direction, per repeat")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cluster", type=int, default=0, metavar="N", help="an N-master Redis Cluster (0: one server)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     why = redis_server_missing()
@@ -80,22 +88,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     total = args.total_mb << 20
     runs: dict[str, list[dict[str, float]]] = {"kvcore": [], "redis-benchmark": []}
-    with tempfile.TemporaryDirectory() as d, RedisServer(d) as server:
-        url = f"redis://{server.address}/0?timeout=30"
-        for _ in range(args.repeat):  # alternate the sides: the machine is shared and noisy
-            runs["kvcore"].append(kvcore_side(url, args.value_size, args.batch, total))
-            runs["redis-benchmark"].append(redis_benchmark_side(server.port, args.value_size, args.batch, total))
-            with server.client() as c:
-                c.flushdb()
+    with tempfile.TemporaryDirectory() as d:
+        servers: RedisServer | RedisClusterServers = RedisClusterServers(d, masters=args.cluster) if args.cluster \
+            else RedisServer(d)
+        with servers:
+            nodes = servers.nodes if isinstance(servers, RedisClusterServers) else [servers]
+            url = (servers.url + "?timeout=30") if isinstance(servers, RedisClusterServers) \
+                else f"redis://{nodes[0].address}/0?timeout=30"
+            for _ in range(args.repeat):  # alternate the sides: the machine is shared and noisy
+                runs["kvcore"].append(kvcore_side(url, args.value_size, args.batch, total))
+                runs["redis-benchmark"].append(redis_benchmark_side(nodes[0].port, args.value_size, args.batch,
+                                                                    total, args.cluster))
+                for node in nodes:
+                    with node.client() as c:
+                        c.flushdb()
     med: dict[str, Any] = {side: {k: statistics.median(r[k] for r in rs) for k in ("set_Bps", "get_Bps")}
                            for side, rs in runs.items()}
     ratio = {k: med["kvcore"][k] / med["redis-benchmark"][k] for k in ("set_Bps", "get_Bps")}
     report = {"value_size": args.value_size, "batch": args.batch, "total_mb": args.total_mb, "repeat": args.repeat,
-              "median": med, "kvcore_over_redis_benchmark": ratio, "runs": runs}
+              "cluster_masters": args.cluster, "median": med, "kvcore_over_redis_benchmark": ratio, "runs": runs}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"value {args.value_size:,} B, batch/pipeline {args.batch}, {args.total_mb} MB per side, "
+        where = f"{args.cluster}-master Cluster" if args.cluster else "one server"
+        print(f"{where}: value {args.value_size:,} B, batch/pipeline {args.batch}, {args.total_mb} MB per side, "
               f"median of {args.repeat}")
         for op in ("set_Bps", "get_Bps"):
             k, r = med["kvcore"][op], med["redis-benchmark"][op]

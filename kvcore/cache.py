@@ -138,6 +138,9 @@ class BasePrefixCache(ABC):
     # Capabilities a backend declares (never probed by calling): ``dec_swa_lock_only`` gives back a
     # window lock early (SGLang's SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW).
     supports_window_lock_release: bool = False
+    # ``reports_evictions``: ``evict`` calls ``evicting(values)`` with what it evicts before freeing it (the
+    # tiers' write-back policy copies those pages out; see ``evicting``).
+    reports_evictions: bool = False
     # ``windowed``: the cache frees window slots as requests decode (``free_window_slots``), so a record's
     # window cursor is its to check.
     windowed: bool = False
@@ -204,6 +207,16 @@ class BasePrefixCache(ABC):
         """
         short = num_tokens - self.token_to_kv_pool_allocator.available_size()
         return self.evict(short) if short > 0 else EvictResult()
+
+    def evicting(self, values: Sequence[torch.Tensor]) -> None:
+        """What ``evict`` is about to free: the device slots of the nodes it evicted, in eviction order.
+
+        A backend that declares ``reports_evictions`` calls it once per ``evict`` that
+        evicted anything, after the nodes left the tree and before their slots go back
+        to the allocator, so the K/V bytes at ``values`` are still the evicted pages'.
+        It must not change the tree or the pools.  The default does nothing; the tiers'
+        write-back policy (:mod:`kvcore.tiers`) copies the pages to the host tier here.
+        """
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> LockResult: ...

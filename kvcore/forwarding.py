@@ -79,6 +79,10 @@ class ForwardingCache(BasePrefixCache):
     def supports_window_lock_release(self) -> bool:  # type: ignore[override]
         return self.inner.supports_window_lock_release
 
+    @property
+    def reports_evictions(self) -> bool:  # type: ignore[override]
+        return self.inner.reports_evictions
+
     # -- lookups and updates -------------------------------------------------
     def match_prefix(self, key: KeyLike, *args: Any, **kwargs: Any) -> MatchResult:
         return self.inner.match_prefix(key, *args, **kwargs)
@@ -100,6 +104,9 @@ class ForwardingCache(BasePrefixCache):
 
     def make_room(self, num_tokens: int) -> EvictResult:
         return self.inner.make_room(num_tokens)
+
+    def evicting(self, values: Sequence[torch.Tensor]) -> None:
+        self.inner.evicting(values)
 
     def inc_lock_ref(self, node: Any) -> LockResult:
         return self.inner.inc_lock_ref(node)

@@ -60,6 +60,7 @@ def _args(name: str, cache: BasePrefixCache) -> tuple[Any, ...]:
         "cache_unfinished_req": (req, False),
         "evict": (1,),
         "make_room": (1,),
+        "evicting": ([],),
         "inc_lock_ref": (node,),
         "dec_lock_ref": (node, None),
         "dec_swa_lock_only": (node, None),

@@ -317,6 +317,10 @@ def bench(
     instances: Annotated[
         int, typer.Option("--instances", help="Engine processes sharing --store, the workload split between them.")
     ] = 1,
+    host_write_policy: Annotated[
+        str, typer.Option("--host-write-policy", help="When device pages go to the host tier and --store (SGLang's "
+                          "--hicache-write-policy): write_through, write_through_selective, write_back.")
+    ] = "write_through",
 ) -> None:
     """Drive backends through a simulated continuous-batching serving loop and report hit rate, memory, speed and leaks.
 
@@ -340,7 +344,7 @@ def bench(
         eviction_policy=eviction_policy, step_ms=step_ms, reference=reference, no_reference=no_reference,
         write_kv=write_kv, show_progress=show_progress, topk_locality=topk_locality,
         backend_opt=list(backend_opt or []),
-        host_size=host_size, store=store, instances=instances,
+        host_size=host_size, store=store, instances=instances, host_write_policy=host_write_policy,
     )
     with usage_phase():
         try:
@@ -356,7 +360,8 @@ def bench(
     with usage_phase():
         from kvcore.bench.tiers import check_tier_options
 
-        check_tier_options(opts.host_size, opts.store, opts.instances, plan.config["page_size"])
+        check_tier_options(opts.host_size, opts.store, opts.instances, plan.config["page_size"],
+                           opts.host_write_policy)
     if opts.instances > 1:
         from kvcore.bench.tiers import render_instances, run_instances
 

@@ -87,6 +87,7 @@ class BenchConfig:
     backend_options: dict[str, Any] = field(default_factory=dict)
     host_size: int = 0  # tiers (kvcore.bench.tiers): host-tier token slots
     store: str | None = None  # tiers: a KV store URL
+    host_write_policy: str = "write_through"  # tiers: when pages go to the host tier and the store
 
 
 def config_fields(backend: str) -> set[str]:
@@ -126,7 +127,7 @@ def cache_options(cfg: BenchConfig, max_context_len: int) -> dict:
         opts["pre_alloc_size"] = cfg.pre_alloc_size
     from kvcore.bench.tiers import tier_options
 
-    opts.update(tier_options(cfg.backend, fields, cfg.host_size, cfg.store))
+    opts.update(tier_options(cfg.backend, fields, cfg.host_size, cfg.store, cfg.host_write_policy))
     if _write_kv(cfg):
         opts["kv_buffer"] = {"num_layers": cfg.kv_layers, "num_heads": cfg.kv_heads, "head_dim": cfg.kv_head_dim}
     opts.update(cfg.backend_options)

@@ -56,6 +56,7 @@ class BenchOptions(BaseModel):
     host_size: int = Field(0, ge=0)
     store: str | None = None
     instances: int = Field(1, ge=1)
+    host_write_policy: str = "write_through"
     page_size: int | None = Field(None, ge=1)
     max_num_reqs: int = Field(128, ge=1)
     chunk_size: int = Field(2048, ge=1)

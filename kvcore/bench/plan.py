@@ -212,7 +212,7 @@ def plan_bench(opts: BenchOptions) -> BenchPlan:
         write_kv=opts.write_kv, topk_locality=opts.topk_locality, model=model, kv_budget=budget,
         swa_full_tokens_ratio=opts.swa_full_tokens_ratio, release_window_lock=opts.release_window_lock,
         retract_mode=opts.retract_mode, pre_alloc_size=opts.pre_alloc_size, transfer_steps=opts.transfer_steps,
-        host_size=opts.host_size, store=opts.store,
+        host_size=opts.host_size, store=opts.store, host_write_policy=opts.host_write_policy,
     )
     width = wl.max_total_len
     _check_memory(f"--size {slots:,} slots with {opts.max_num_reqs + opts.pre_alloc_size:,} rows of {width:,} "

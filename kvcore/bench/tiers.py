@@ -1,4 +1,4 @@
-"""The bench's side of the tiers: ``--host-size``, ``--store`` and ``--instances K``.
+"""The bench's side of the tiers: ``--host-size``, ``--store``, ``--host-write-policy`` and ``--instances K``.
 
 One run with tiers flushes the store writes at the end of every step (never on
 the match path) and reports device, host and store hits separately, the bytes
@@ -27,10 +27,15 @@ __all__ = [
 _STORE_KEYS = ("hits", "misses", "errors", "bytes_read", "bytes_written", "round_trips")
 
 
-def check_tier_options(host_size: int, store: str | None, instances: int, page_size: int) -> None:
-    """Refuse bad ``--host-size`` / ``--store`` / ``--instances`` before anything runs (ValueError, one line)."""
+def check_tier_options(host_size: int, store: str | None, instances: int, page_size: int,
+                       host_write_policy: str = "write_through") -> None:
+    """Refuse bad ``--host-size`` / ``--store`` / ``--instances`` before anything runs (ValueError, one line);
+    the backend's config checks ``--host-write-policy``'s name, here only that it has a tier to write to."""
     if host_size < 0 or host_size % page_size:
         raise ValueError(f"--host-size {host_size} must be a non-negative multiple of --page-size {page_size}")
+    if host_write_policy != "write_through" and not (host_size or store):
+        raise ValueError(f"--host-write-policy {host_write_policy} needs a tier to write to: "
+                         "give --host-size or --store")
     if instances < 1:
         raise ValueError(f"--instances must be at least 1, got {instances}")
     if store is not None:
@@ -45,13 +50,16 @@ def check_tier_options(host_size: int, store: str | None, instances: int, page_s
                              "use file:///dir or redis://host:port/0")
 
 
-def tier_options(backend: str, fields: set[str], host_size: int, store: str | None) -> dict[str, Any]:
+def tier_options(backend: str, fields: set[str], host_size: int, store: str | None,
+                 host_write_policy: str = "write_through") -> dict[str, Any]:
     """The create_cache options for the tiers; a backend without them is refused, naming it."""
     opts: dict[str, Any] = {}
     if host_size:
         opts["host_size"] = host_size
     if store is not None:
         opts["store"] = store
+    if opts and host_write_policy != "write_through":
+        opts["host_write_policy"] = host_write_policy
     if opts and not {"host_size", "store"} <= fields:
         raise ValueError(f"backend {backend!r} takes no host tier or store (--host-size, --store); radix and "
                          "unified do")
@@ -95,6 +103,7 @@ def report_fields(tiers: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
         "bytes_from_device": int(tiers.get("bytes_device_to_host", 0)),
         "store_written_pages": int(tiers.get("store_written_pages", 0)),
         "store_failed_pages": int(tiers.get("store_failed_pages", 0)),
+        "written_back_pages": int(tiers.get("written_back_pages", 0)),
         "store_flush_s": float(tiers.get("store_flush_s", 0.0)),
     }}
     if "store" in tiers:
@@ -158,7 +167,7 @@ def run_instances(backend: str, instances: int, *, workload: str, seed: int, num
     isolated = sum(infinite_cache_hits(share, page) for share in split_workload(wl, instances))
     tiers = {k: sum(r.get("tiers", {}).get(k, 0) for r in reports)
              for k in ("device_hit_tokens", "host_hit_tokens", "store_hit_tokens", "bytes_to_device",
-                       "bytes_from_device", "store_written_pages", "store_failed_pages")}
+                       "bytes_from_device", "store_written_pages", "store_failed_pages", "written_back_pages")}
     out: dict[str, Any] = {
         "backend": backend,
         "workload": workload,

@@ -2,11 +2,14 @@
 
 A tree backend gains them without a change to its internals: its factory is
 wrapped with :func:`tiered` and its config extends :class:`TieredCacheConfig`
-(options ``host_size`` and ``store``).  See :mod:`kvcore.tiers.tiered_cache`.
+(options ``host_size``, ``store`` and ``host_write_policy``).  See :mod:`kvcore.tiers.tiered_cache`.
 """
 
-from kvcore.tiers.config import TieredCacheConfig
+from kvcore.tiers.config import HOST_WRITE_POLICIES, HostWritePolicy, TieredCacheConfig
 from kvcore.tiers.host import HostTier
 from kvcore.tiers.tiered_cache import TierCounters, TieredCacheMixin, page_codec_layout, tiered
 
-__all__ = ["HostTier", "TierCounters", "TieredCacheConfig", "TieredCacheMixin", "page_codec_layout", "tiered"]
+__all__ = [
+    "HOST_WRITE_POLICIES", "HostTier", "HostWritePolicy", "TierCounters", "TieredCacheConfig", "TieredCacheMixin",
+    "page_codec_layout", "tiered",
+]

@@ -12,7 +12,16 @@ leaves the tree's internals alone:
   into the device tree, and the match is answered again.
 - ``cache_finished_req`` / ``cache_unfinished_req``: before the tree takes the
   request's slots, the K/V bytes of its whole committed pages that the host tier
-  lacks are copied to it (write-through), and queued for the store.
+  lacks are copied to it, and queued for the store, as ``host_write_policy``
+  says (SGLang HiCache's policies): ``write_through`` every such page,
+  ``write_through_selective`` a page once ``host_write_threshold`` non-chunked
+  calls cached it (SGLang counts a node's hits the same way, on insert).
+- ``evicting``: under ``write_back`` the lifecycle calls only note which device
+  page holds which store key (the tree's own slots, read back with a match after
+  the tree took the request); the backend's ``evict`` reports the slots it is
+  about to free (``BasePrefixCache.evicting``, a backend declaring
+  ``reports_evictions``), and their pages are copied to the host tier and queued
+  for the store before they are freed.
 - ``flush()``: sends the queued pages to the store in one ``batch_set``; the
   bench calls it at the end of each step, never on the match path.
 - ``pools()`` / ``cached_sizes()`` / ``iter_owned_slots()`` add the ``host`` pool.
@@ -26,13 +35,13 @@ the K/V shape, dtype, page size and ``store_layout`` name the namespace.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from kvcore.cache import MatchResult, SlotOwner
+from kvcore.cache import BasePrefixCache, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams
 from kvcore.keys import RadixKey
 from kvcore.pools import PoolView
@@ -62,6 +71,7 @@ class TierCounters:
     host_hit_tokens: int = 0
     store_hit_tokens: int = 0
     host_written_pages: int = 0
+    written_back_pages: int = 0
     store_queued_pages: int = 0
     store_written_pages: int = 0
     store_failed_pages: int = 0
@@ -76,6 +86,7 @@ class TieredCacheMixin:
     kv_pool: Any
     page_size: int
     token_to_kv_pool_allocator: Any
+    disable: bool
 
     def _init_tiers(self, config: TieredCacheConfig) -> None:
         pool = self.kv_pool
@@ -95,6 +106,12 @@ class TieredCacheMixin:
         self._pending_keys: list[str] = []
         self._pending_values: list[bytes] = []
         self._written: OrderedDict[str, None] = OrderedDict()
+        # write_through_selective: calls that cached each page not written yet (SGLang's node.hit_count).
+        self._threshold = config.write_threshold()
+        self._hits: OrderedDict[str, int] = OrderedDict()
+        # write_back: the store key of each page the device tree holds, by the page's first slot (and back).
+        self._key_at: dict[int, str] = {}
+        self._page_of: dict[str, int] = {}
 
     # -- page bytes -------------------------------------------------------------
 
@@ -168,11 +185,13 @@ class TieredCacheMixin:
             self._scatter(slots, data[:n_got])
             have = m.prefix_len
             new_len = have + slots.numel()
-            res = self.insert(RadixKey(rkey.token_ids[:new_len], rkey.extra_key),  # type: ignore[attr-defined]
-                              torch.cat([m.device_indices, slots]))
+            loaded_key = RadixKey(rkey.token_ids[:new_len], rkey.extra_key)
+            res = self.insert(loaded_key, torch.cat([m.device_indices, slots]))  # type: ignore[attr-defined]
             if res.prefix_len > have and not res.duplicates_freed:
                 # Someone cached part of it meanwhile: the tree kept its own slots, these are ours to free.
                 self.token_to_kv_pool_allocator.free(slots[: res.prefix_len - have])
+            if not self._threshold:
+                self._note_tree_pages(loaded_key)
         finally:
             self.dec_lock_ref(m.last_device_node, lock)  # type: ignore[attr-defined]
         host_used = min(n_host, n_got)
@@ -191,49 +210,126 @@ class TieredCacheMixin:
         pages = min(pages, alloc.available_size() // ps)
         return alloc.alloc(pages * ps) if pages else None
 
-    # -- write-through: finished pages to host and store ---------------------------------
+    # -- write policies: cached pages to host and store ---------------------------------
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        if is_insert and not self._tiers_off:
-            self._write_through(req)
+        on = is_insert and not self._tiers_off
+        if on and self._threshold:
+            self._write_through(req, chunked=False)
+        key = self._committed_key(req) if on and not self._threshold else None  # write_back
         super().cache_finished_req(req, is_insert)  # type: ignore[misc]
+        if key is not None:
+            self._note_tree_pages(key)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        # A prefill chunk's pages are computed too: a session turn that never finishes still shares them.
-        if not self._tiers_off:
-            self._write_through(req)
+        # A prefill chunk's pages are computed too: under write_through a session turn that never finishes
+        # still shares them (write_through_selective counts no hit for a chunk, as SGLang).
+        on = not self._tiers_off
+        if on and self._threshold:
+            self._write_through(req, chunked)
+        key = self._committed_key(req) if on and not self._threshold else None  # write_back
         super().cache_unfinished_req(req, chunked)  # type: ignore[misc]
+        if key is not None:
+            self._note_tree_pages(key)
 
-    def _write_through(self, req: Any) -> None:
+    def _committed_key(self, req: Any) -> RadixKey | None:
+        """The whole committed pages of ``req`` as a key (None when there are none)."""
+        aligned = floor_align(req.kv.kv_committed_len, self.page_size)
+        return RadixKey(req.fill_ids[:aligned], req.extra_key) if aligned and not self.disable else None
+
+    def _write_through(self, req: Any, chunked: bool) -> None:
         kv = req.kv
         aligned = floor_align(kv.kv_committed_len, self.page_size)
         if not aligned or kv.req_pool_idx is None:
             return
+        if chunked and self._threshold > 1:
+            return  # SGLang counts no hit for a chunked insert
         keys = self.namespace.page_keys(req.fill_ids[:aligned], req.extra_key)
-        if self.host is not None:
-            todo = [i for i, k in enumerate(keys) if k not in self.host.pages]
-        else:
-            todo = [i for i, k in enumerate(keys) if k not in self._written]
+        todo = [i for i, k in enumerate(keys) if not self._has_copy(k)]
+        if self._threshold > 1:
+            todo = [i for i in todo if self._hit(keys[i])]
         if not todo:
             return
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]  # type: ignore[attr-defined]
         ps = self.page_size
         slots = torch.cat([row[i * ps:(i + 1) * ps] for i in todo]).to(torch.int64)
+        self._copy_out([keys[i] for i in todo], slots)
+
+    def _has_copy(self, key: str) -> bool:
+        """Whether the page under ``key`` is in the host tier (or, without one, was sent to the store)."""
+        return key in self.host.pages if self.host is not None else key in self._written
+
+    def _hit(self, key: str) -> bool:
+        """Count one more caching of the page under ``key``; True when that reaches the write threshold."""
+        n = self._hits.pop(key, 0) + 1
+        if n >= self._threshold:
+            return True
+        self._hits[key] = n
+        if len(self._hits) > _WRITTEN_MEMORY:
+            self._hits.popitem(last=False)
+        return False
+
+    def _copy_out(self, keys: list[str], slots: torch.Tensor) -> None:
+        """Copy the device pages at ``slots`` (whole pages, one per key) to the host tier and the store's queue."""
         pages = self._gather(slots)
-        todo_keys = [keys[i] for i in todo]
         c = self.tier_counters
         c.bytes_device_to_host += pages.numel()
         if self.host is not None:
-            new = self.host.write(todo_keys, pages)
+            new = self.host.write(keys, pages)
             c.host_written_pages += sum(new)
         if self.store is not None:
-            for k, page in zip(todo_keys, pages, strict=True):
+            for k, page in zip(keys, pages, strict=True):
                 self._pending_keys.append(k)
                 self._pending_values.append(page.numpy().tobytes())
                 self._remember_written(k)
-            c.store_queued_pages += len(todo_keys)
+            c.store_queued_pages += len(keys)
             if len(self._pending_keys) * self.page_bytes >= _MAX_PENDING_BYTES:
                 self.flush()
+
+    # -- write-back: pages the device tree evicts ---------------------------------------
+
+    def _note_tree_pages(self, key: RadixKey) -> None:
+        """Note the store key of each device page the tree holds for ``key`` (write_back)."""
+        m: MatchResult = super().match_prefix(key)  # type: ignore[misc]
+        ps = self.page_size
+        n = m.prefix_len // ps
+        if not n:
+            return
+        firsts = m.device_indices[::ps].tolist()
+        keys = self.namespace.page_keys(key.token_ids[: n * ps], key.extra_key)
+        key_at, page_of = self._key_at, self._page_of
+        for first, k in zip(firsts, keys, strict=True):
+            old = page_of.get(k)
+            if old is not None and old != first:
+                key_at.pop(old, None)  # the tree holds a page once: that slot was freed meanwhile
+            prev = key_at.get(first)
+            if prev is not None and prev != k:
+                page_of.pop(prev, None)
+            key_at[first] = k
+            page_of[k] = first
+
+    def evicting(self, values: Sequence[torch.Tensor]) -> None:
+        super().evicting(values)  # type: ignore[misc]
+        if self._threshold or not self._key_at:
+            return
+        ps = self.page_size
+        keys: list[str] = []
+        firsts: list[int] = []
+        for v in values:
+            for first in v[::ps].tolist():
+                k = self._key_at.pop(first, None)
+                if k is None:
+                    continue  # a page that entered the tree by a plain insert: its key is not known here
+                self._page_of.pop(k, None)
+                if not self._has_copy(k):
+                    keys.append(k)
+                    firsts.append(first)
+        if not keys:
+            return
+        base = torch.tensor(firsts, dtype=torch.int64)
+        slots = (base[:, None] + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+        self.tier_counters.written_back_pages += len(keys)
+        self._copy_out(keys, slots)
 
     def _remember_written(self, key: str) -> None:
         self._written[key] = None
@@ -295,6 +391,8 @@ class TieredCacheMixin:
         if self.host is not None:
             self.host.clear()
         self._pending_keys, self._pending_values = [], []
+        self._key_at.clear()
+        self._page_of.clear()
 
     def close(self) -> None:
         """Send what is queued, then close the store."""
@@ -303,7 +401,8 @@ class TieredCacheMixin:
             self.store.close()
 
 
-def tiered(backend: type, check: Callable[[CacheInitParams], None] | None = None) -> Callable[[CacheInitParams], Any]:
+def tiered(backend: type[BasePrefixCache],
+           check: Callable[[CacheInitParams], None] | None = None) -> Callable[[CacheInitParams], Any]:
     """A factory that builds ``backend``, or ``Tiered<backend>`` when the config asks for a tier.
 
     ``check(params)`` may refuse a tiered configuration the backend cannot serve
@@ -317,6 +416,9 @@ def tiered(backend: type, check: Callable[[CacheInitParams], None] | None = None
             return backend(params)
         if check is not None:
             check(params)
+        if config.host_write_policy == "write_back" and not backend.reports_evictions:
+            raise ValueError(f"host_write_policy='write_back' needs a backend whose evict reports what it frees; "
+                             f"{backend.__name__} does not (reports_evictions)")
         if params.kv_pool is None:
             raise ValueError("host_size and store need kv_buffer")
         cache = cls(params)

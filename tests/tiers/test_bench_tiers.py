@@ -65,6 +65,8 @@ def test_split_keeps_sessions_together():
         (["--host-size", "10"], "host_size=10 is not a multiple of page_size"),
         (["--instances", "2", "--store", "memory://"], "private to one"),
         (["--instances", "0"], "--instances: Input should be greater than or equal to 1"),
+        (["--host-write-policy", "write_back"], "needs a tier to write to"),
+        (["--host-size", "512", "--host-write-policy", "later"], "option 'host_write_policy': Input should be"),
     ],
 )
 def test_bad_tier_options_are_one_line_errors(args, match):
@@ -77,3 +79,16 @@ def test_a_backend_without_tiers_is_refused():
     res = runner.invoke(app, ["bench", "--backend", "chunk", *SMALL, "--store", "memory://"])
     assert res.exit_code != 0
     assert "takes no host tier or store" in res.output + str(res.exception)
+
+
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_host_write_policy_option(policy):
+    res = runner.invoke(app, ["bench", "--backend", "radix", "--workload", "shared-prefix", "-n", "24",
+                              "--page-size", "16", "--size", "2048", "--host-size", "4096",
+                              "--host-write-policy", policy, "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["tiers"]["host_hit_tokens"] > 0
+    assert (rep["tiers"]["written_back_pages"] > 0) == (policy == "write_back")
+    assert rep["leaked_slots"] == 0 and rep["invariant_violations"] == 0
+

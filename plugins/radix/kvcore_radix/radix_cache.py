@@ -95,6 +95,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
 
     # Tests may replace the clock on an instance (e.g. an itertools counter).
     clock = staticmethod(time.monotonic)
+    reports_evictions = True
 
     def __init__(self, params: CacheInitParams):
         super().__init__(params)
@@ -446,6 +447,7 @@ class RadixCache(KVEventLog, BasePrefixCache):
         alloc = self.token_to_kv_pool_allocator
         if alloc is None:
             return  # tree-only: the values are the caller's
+        self.evicting(freed)
         if self.strict:
             self._claims.disown(freed[0] if len(freed) == 1 else torch.cat(freed))
         if self.page_size == 1:

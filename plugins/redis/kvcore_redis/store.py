@@ -1,7 +1,8 @@
 """Redis stores: one server, or a Cluster addressed node by node.
 
 Every batch is one pipeline per server (a Cluster: one per node the keys map
-to), sent without a transaction.  A server that fails (refused, reset, past
+to, the nodes' pipelines sent at once from a small thread pool, so a batch costs
+the slowest node's round trip, not their sum), sent without a transaction.  A server that fails (refused, reset, past
 ``timeout``, out of memory) fails only its own part of the batch: those keys
 miss or their writes answer False, one error is counted, and the server is
 skipped for ``backoff`` seconds.  The Cluster client is used for its slot map
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,24 +26,28 @@ from redis.retry import Retry
 
 from kvcore.stores import KVStore, StoreURL
 from kvcore_redis.config import RedisOptions
+from kvcore_redis.packer import ZeroCopyPacker
 
 __all__ = ["RedisStore", "RedisClusterStore"]
 
 _SLOTS = 16384
+# Threads that send one batch's per-node pipelines at once (a Cluster of more masters queues the rest).
+_MAX_PARALLEL_NODES = 16
 # Everything kvcore writes starts with this; clear() deletes only these keys.
 _KVCORE_KEYS = "kvcore*"
 
 
-def _client_options(opts: RedisOptions) -> dict[str, Any]:
-    # No client-side retries: a retry multiplies the time a dead server costs, and a miss is cheap.
-    return {
-        "socket_timeout": opts.timeout,
-        "socket_connect_timeout": opts.timeout,
-        "retry": Retry(NoBackoff(), 0),
-        "health_check_interval": 0,
-        # Pages are large (tens to hundreds of KiB): fewer, larger reads.
-        "socket_read_size": 1 << 20,
-    }
+def _client(host: str, port: int, opts: RedisOptions, **more: Any) -> redis.Redis:
+    pool = redis.ConnectionPool(
+        host=host, port=port,
+        # No client-side retries: a retry multiplies the time a dead server costs, and a miss is cheap.
+        socket_timeout=opts.timeout, socket_connect_timeout=opts.timeout, retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+        # Pages are large (tens to hundreds of KiB): fewer, larger reads, and no copy of a value into the command.
+        socket_read_size=1 << 20, command_packer=ZeroCopyPacker(),
+        **more,
+    )
+    return redis.Redis(connection_pool=pool)
 
 
 def _host_port(text: str, url: str) -> tuple[str, int]:
@@ -69,6 +75,7 @@ class _RedisBase(KVStore):
         super().__init__(url, opts.ttl)
         self.options = opts
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # made on the first batch that spans two nodes
 
     def _groups(self, keys: list[str]) -> list[tuple[_Node, list[int]]]:
         """The keys' positions grouped by the node that holds them."""
@@ -85,19 +92,37 @@ class _RedisBase(KVStore):
                   run: Callable[[_Node, list[str], list[int]], Sequence[Any]]) -> list[Any]:
         out: list[Any] = [miss] * len(keys)
         now = time.monotonic()
+        todo = []
         for node, idx in self._groups(keys):
             if node.retry_at > now:
                 self._failed(what, ConnectionError(f"{node.name} failed less than backoff={self.options.backoff}s ago"))
-                continue
+            else:
+                todo.append((node, idx))
+
+        def one(node: _Node, idx: list[int]) -> Sequence[Any] | None:
             try:
-                got = run(node, [keys[i] for i in idx], idx)
+                return run(node, [keys[i] for i in idx], idx)
             except (redis.RedisError, OSError) as exc:
                 node.retry_at = time.monotonic() + self.options.backoff
                 self._failed(what, exc)
-                continue
-            for i, v in zip(idx, got, strict=True):
-                out[i] = v
+                return None
+
+        if len(todo) > 1:
+            # Each node's client has its own connection pool: the pipelines go out at once.
+            results = list(self._executor().map(lambda group: one(*group), todo))
+        else:
+            results = [one(node, idx) for node, idx in todo]
+        for (_, idx), got in zip(todo, results, strict=True):
+            if got is not None:
+                for i, v in zip(idx, got, strict=True):
+                    out[i] = v
         return out
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_MAX_PARALLEL_NODES, thread_name_prefix="kvcore-redis")
+            return self._pool
 
     def _exists(self, keys: list[str]) -> list[bool]:
         def run(node: _Node, ks: list[str], _: list[int]) -> list[bool]:
@@ -138,6 +163,8 @@ class _RedisBase(KVStore):
             pipe.execute()
 
     def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for node in self._all_nodes():
             node.client.close()
 
@@ -148,8 +175,7 @@ class RedisStore(_RedisBase):
     def __init__(self, url: str, host: str, port: int, db: int, opts: RedisOptions,
                  username: str | None = None, password: str | None = None) -> None:
         super().__init__(url, opts)
-        client = redis.Redis(host=host, port=port, db=db, username=username, password=password,
-                             **_client_options(opts))
+        client = _client(host, port, opts, db=db, username=username, password=password)
         self._node = _Node(f"{host}:{port}", client)
 
     @classmethod
@@ -208,7 +234,7 @@ class RedisClusterStore(_RedisBase):
         node = self._nodes.get(name)
         if node is None:
             host, _, port = name.rpartition(":")
-            client = redis.Redis(host=host, port=int(port), **_client_options(self.options))
+            client = _client(host, int(port), self.options)
             node = self._nodes.setdefault(name, _Node(name, client))
         return node
 
@@ -283,5 +309,7 @@ class RedisClusterStore(_RedisBase):
         return [self._node(n) for n in dict.fromkeys(self._slots) if n]
 
     def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for node in self._nodes.values():
             node.client.close()

@@ -10,6 +10,7 @@ when SGLang builds a tree cache with ``--radix-cache-backend kvcore-...``.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import re
 from importlib.metadata import version
@@ -17,9 +18,25 @@ from typing import Any
 
 from kvcore_sglang.config import SUPPORTED_SGLANG, TARGETS, Target
 
-__all__ = ["KvcoreFactory", "contract_module", "register_with_sglang"]
+__all__ = ["HICACHE_BACKEND", "KvcoreFactory", "contract_module", "hicache_extra_config", "register_with_sglang"]
 
 _log = logging.getLogger(__name__)
+
+
+#: kvcore's stores as a HiCache L3 backend: what ``--hicache-storage-backend dynamic`` loads.  SGLang's
+#: ``StorageBackendFactory`` builds a registered name only if it is one of its own built-ins, so kvcore's is
+#: reached through ``dynamic`` and these names in ``--hicache-storage-backend-extra-config``.
+HICACHE_BACKEND = {
+    "backend_name": "kvcore",
+    "module_path": "kvcore_sglang.hicache_storage",
+    "class_name": "KvcoreHiCacheStorage",
+    "interface_v1": 1,
+}
+
+
+def hicache_extra_config(store_url: str, **more: Any) -> str:
+    """The JSON for ``--hicache-storage-backend-extra-config``: :data:`HICACHE_BACKEND`, ``store_url`` and ``more``."""
+    return json.dumps({**HICACHE_BACKEND, "store_url": store_url, **more})
 
 
 def contract_module() -> Any:

@@ -103,6 +103,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
 
     # What the components need of it differs (the swa component's full/window pools): typed loosely.
     token_to_kv_pool_allocator: Any
+    reports_evictions = True
 
     def __init__(self, params: CacheInitParams):
         super().__init__(params)
@@ -730,6 +731,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             finally:
                 batch, self.free_batch = self.free_batch, None
                 if batch:
+                    self.evicting(batch)
                     self.token_to_kv_pool_allocator.free(batch[0] if len(batch) == 1 else torch.cat(batch))
         return EvictResult(tracker["full"], tracker.get("swa", 0), tracker.get("mamba", 0), tracker)
 
