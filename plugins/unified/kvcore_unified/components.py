@@ -56,13 +56,10 @@ class FullComponent(TreeComponent):
         alloc = cache.token_to_kv_pool_allocator
         if cache.strict:
             alloc.disown(node.value)
-        if cache.free_batch is not None and cache.page_size == 1:
-            # At page 1 a free appends its slots to the free list, so one free of the
-            # concatenation at the end of the eviction leaves the order node-by-node frees do.
+        if cache.free_batch is not None:
+            # Freed when the eviction ends (after the tree reports them: ``evicting``), in eviction order.
             cache.free_batch.append(node.value)
         else:
-            # With pages a free sorts the pages it is given: SGLang frees each evicted node
-            # on its own, so the free-list order is node by node (in eviction order) here too.
             alloc.free(node.value)
         n = len(node.key)
         if node.lock_ref:

@@ -732,7 +732,16 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 batch, self.free_batch = self.free_batch, None
                 if batch:
                     self.evicting(batch)
-                    self.token_to_kv_pool_allocator.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+                    alloc = self.token_to_kv_pool_allocator
+                    if self.page_size == 1:
+                        # A free at page 1 appends its slots to the free list: one free of the
+                        # concatenation leaves the order node-by-node frees do.
+                        alloc.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+                    else:
+                        # With pages a free sorts the pages it is given: SGLang frees each evicted
+                        # node on its own, so the free-list order is node by node here too.
+                        for value in batch:
+                            alloc.free(value)
         return EvictResult(tracker["full"], tracker.get("swa", 0), tracker.get("mamba", 0), tracker)
 
     def make_room(self, num_tokens: int) -> EvictResult:
