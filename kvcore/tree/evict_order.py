@@ -1,0 +1,163 @@
+"""The evictable leaves of a tree, kept in eviction order (a set with a lazy heap behind it).
+
+A tree used to rebuild a heap of every evictable leaf on each ``evict`` call, as
+SGLang does: O(n) per call however few leaves go.  :class:`EvictOrder` is that set
+of leaves kept as it changes, so a call costs O(victims * log n).
+
+Each leaf has one live heap entry ``(priority, tie * id, node)``, the key the
+per-call heap used (``tie`` is -1 for policies that evict the newest among equal
+priorities); ids are unique, so the keys are totally ordered and the pop order is
+the per-call heap's.  An entry is live while the ``node -> entry`` dict holds that
+very entry: ``discard`` only drops the dict's, and the heap's stale copy is skipped
+when it surfaces (or dropped when stale entries outnumber live ones: the heap is
+rebuilt from the live ones).  ``add`` queues the node; the queue enters the heap at
+the next ``pop`` (or once it is mostly nodes discarded again), so a leaf that gains
+a child or a lock before any eviction never costs a heap push.
+
+The keys are not updated when a match touches a node (no hook on the request
+path).  That is exact for a *monotone* policy (:attr:`EvictionStrategy.monotone`:
+a node's priority never decreases while it is in the tree): every stored key is at
+most its node's current key, so when the smallest entry's stored key is still its
+node's current key, that node is the smallest of all; when it is not, the entry is
+pushed again with the current key and the pop goes on (a lazy re-key).  For any
+other policy (``mru``; a plugin policy unless it says ``monotone = True``)
+:meth:`EvictOrder.refresh` rebuilds the heap from the current keys, which the tree
+calls at the start of each eviction: today's per-call heap, correct for any policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from kvcore.tree.policies import EvictionStrategy
+
+__all__ = ["EvictOrder"]
+
+# Stale heap entries tolerated before a rebuild: this many, and more than there are live ones.
+_MIN_STALE = 64
+
+
+class EvictOrder:
+    """A set of evictable nodes that pops them in ``policy``'s eviction order.
+
+    Set-like (``add``, ``discard``, ``difference_update``, ``in``, ``len``,
+    iteration in the order nodes were added) plus :meth:`pop` (the next victim,
+    taken out of the set) and :meth:`refresh` (call once before the pops of one
+    eviction).  ``policy`` is any object with ``get_priority(node)``; an
+    :class:`EvictionStrategy` also gives ``newest_first`` (the tie order) and
+    ``monotone`` (whether stored keys may be re-keyed lazily).
+    """
+
+    __slots__ = ("_entries", "_heap", "_pending", "_stale", "_priority", "_tie", "monotone")
+
+    def __init__(self, policy: Any) -> None:
+        strategy = policy if isinstance(policy, EvictionStrategy) else None
+        self._priority = policy.get_priority
+        self._tie = -1 if strategy is not None and strategy.newest_first else 1
+        self.monotone = strategy is not None and strategy.monotone
+        # node -> its live heap entry, or None while it waits in _pending.
+        self._entries: dict[Any, tuple | None] = {}
+        self._heap: list[tuple] = []
+        self._pending: list[Any] = []
+        self._stale = 0  # heap entries no longer live
+
+    # ------------------------------------------------------------------ the set
+
+    def __contains__(self, node: Any) -> bool:
+        return node in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._entries)
+
+    def __repr__(self) -> str:
+        return f"<EvictOrder {len(self._entries)} nodes, heap {len(self._heap)}, {self._stale} stale>"
+
+    def add(self, node: Any) -> None:
+        entries = self._entries
+        if node not in entries:
+            entries[node] = None
+            pending = self._pending
+            pending.append(node)
+            if len(pending) > 2 * len(entries) + _MIN_STALE:
+                self._flush()  # mostly nodes discarded again since: no eviction came to push them
+
+    def discard(self, node: Any) -> None:
+        entries = self._entries
+        if node in entries:
+            if entries.pop(node) is not None:
+                self._stale += 1
+                if self._stale > _MIN_STALE and self._stale > len(entries):
+                    self._rebuild()
+
+    def difference_update(self, nodes: Iterable[Any]) -> None:
+        for node in nodes:
+            self.discard(node)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._heap.clear()
+        self._pending.clear()
+        self._stale = 0
+
+    # ------------------------------------------------------------------ eviction
+
+    def refresh(self) -> None:
+        """Start an eviction: a non-monotone policy's heap is rebuilt from the current keys."""
+        if not self.monotone and self._entries:
+            self._rebuild()
+
+    def pop(self) -> Any | None:
+        """Take the next victim (smallest ``(priority, tie * id)``) out of the set; None when empty."""
+        if self._pending:
+            self._flush()
+        heap, entries, priority = self._heap, self._entries, self._priority
+        heappop = heapq.heappop
+        while heap:
+            entry = heappop(heap)
+            node = entry[2]
+            if entries.get(node) is not entry:
+                self._stale -= 1
+                continue
+            key = priority(node)
+            if key != entry[0]:
+                # Touched since it was pushed (a monotone key only grows): back in at its current key.
+                entry = (key, entry[1], node)
+                entries[node] = entry
+                heapq.heappush(heap, entry)
+                continue
+            del entries[node]
+            return node
+        return None
+
+    def _flush(self) -> None:
+        """Push the nodes added since the last pop (still in the set and not yet in the heap)."""
+        entries, priority, tie = self._entries, self._priority, self._tie
+        new = []
+        for node in self._pending:
+            if node in entries and entries[node] is None:
+                entry = (priority(node), tie * node.id, node)
+                entries[node] = entry
+                new.append(entry)
+        self._pending.clear()
+        heap = self._heap
+        if len(new) * 8 > len(heap):
+            heap.extend(new)
+            heapq.heapify(heap)
+        else:
+            for entry in new:
+                heapq.heappush(heap, entry)
+
+    def _rebuild(self) -> None:
+        """One entry per node of the set, at its current key; no stale entries, nothing pending."""
+        priority, tie = self._priority, self._tie
+        heap = [(priority(node), tie * node.id, node) for node in self._entries]
+        self._entries = {entry[2]: entry for entry in heap}
+        heapq.heapify(heap)
+        self._heap = heap
+        self._pending.clear()
+        self._stale = 0
