@@ -10,9 +10,9 @@ priorities); ids are unique, so the keys are totally ordered and the pop order i
 the per-call heap's.  An entry is live while the ``node -> entry`` dict holds that
 very entry: ``discard`` only drops the dict's, and the heap's stale copy is skipped
 when it surfaces (or dropped when stale entries outnumber live ones: the heap is
-rebuilt from the live ones).  ``add`` queues the node; the queue enters the heap at
-the next ``pop`` (or once it is mostly nodes discarded again), so a leaf that gains
-a child or a lock before any eviction never costs a heap push.
+rebuilt from the live ones).  ``add`` pushes at once, so that one eviction never
+pays for the leaves added since the last (a new leaf under a time-ordered policy is
+the newest, and its push stays at the bottom of the heap).
 
 The keys are not updated when a match touches a node (no hook on the request
 path).  That is exact for a *monotone* policy (:attr:`EvictionStrategy.monotone`:
@@ -50,17 +50,15 @@ class EvictOrder:
     ``monotone`` (whether stored keys may be re-keyed lazily).
     """
 
-    __slots__ = ("_entries", "_heap", "_pending", "_stale", "_priority", "_tie", "monotone")
+    __slots__ = ("_entries", "_heap", "_stale", "_priority", "_tie", "monotone")
 
     def __init__(self, policy: Any) -> None:
         strategy = policy if isinstance(policy, EvictionStrategy) else None
         self._priority = policy.get_priority
         self._tie = -1 if strategy is not None and strategy.newest_first else 1
         self.monotone = strategy is not None and strategy.monotone
-        # node -> its live heap entry, or None while it waits in _pending.
-        self._entries: dict[Any, tuple | None] = {}
+        self._entries: dict[Any, tuple] = {}  # node -> its live heap entry
         self._heap: list[tuple] = []
-        self._pending: list[Any] = []
         self._stale = 0  # heap entries no longer live
 
     # ------------------------------------------------------------------ the set
@@ -74,25 +72,28 @@ class EvictOrder:
     def __iter__(self) -> Iterator[Any]:
         return iter(self._entries)
 
+    @property
+    def heap_size(self) -> int:
+        """Heap entries held, live or stale: at most ``2 * len(self) + 64`` after any ``discard``."""
+        return len(self._heap)
+
     def __repr__(self) -> str:
         return f"<EvictOrder {len(self._entries)} nodes, heap {len(self._heap)}, {self._stale} stale>"
 
     def add(self, node: Any) -> None:
         entries = self._entries
         if node not in entries:
-            entries[node] = None
-            pending = self._pending
-            pending.append(node)
-            if len(pending) > 2 * len(entries) + _MIN_STALE:
-                self._flush()  # mostly nodes discarded again since: no eviction came to push them
+            # A new leaf is the newest: under a time-ordered policy the push stays at the bottom (one comparison).
+            entry = (self._priority(node), self._tie * node.id, node)
+            entries[node] = entry
+            heapq.heappush(self._heap, entry)
 
     def discard(self, node: Any) -> None:
         entries = self._entries
-        if node in entries:
-            if entries.pop(node) is not None:
-                self._stale += 1
-                if self._stale > _MIN_STALE and self._stale > len(entries):
-                    self._rebuild()
+        if entries.pop(node, None) is not None:
+            self._stale += 1
+            if self._stale > _MIN_STALE and self._stale > len(entries):
+                self._rebuild()
 
     def difference_update(self, nodes: Iterable[Any]) -> None:
         for node in nodes:
@@ -101,7 +102,6 @@ class EvictOrder:
     def clear(self) -> None:
         self._entries.clear()
         self._heap.clear()
-        self._pending.clear()
         self._stale = 0
 
     # ------------------------------------------------------------------ eviction
@@ -113,8 +113,6 @@ class EvictOrder:
 
     def pop(self) -> Any | None:
         """Take the next victim (smallest ``(priority, tie * id)``) out of the set; None when empty."""
-        if self._pending:
-            self._flush()
         heap, entries, priority = self._heap, self._entries, self._priority
         heappop = heapq.heappop
         while heap:
@@ -134,30 +132,11 @@ class EvictOrder:
             return node
         return None
 
-    def _flush(self) -> None:
-        """Push the nodes added since the last pop (still in the set and not yet in the heap)."""
-        entries, priority, tie = self._entries, self._priority, self._tie
-        new = []
-        for node in self._pending:
-            if node in entries and entries[node] is None:
-                entry = (priority(node), tie * node.id, node)
-                entries[node] = entry
-                new.append(entry)
-        self._pending.clear()
-        heap = self._heap
-        if len(new) * 8 > len(heap):
-            heap.extend(new)
-            heapq.heapify(heap)
-        else:
-            for entry in new:
-                heapq.heappush(heap, entry)
-
     def _rebuild(self) -> None:
-        """One entry per node of the set, at its current key; no stale entries, nothing pending."""
+        """One entry per node of the set, at its current key; no stale entries."""
         priority, tie = self._priority, self._tie
         heap = [(priority(node), tie * node.id, node) for node in self._entries]
         self._entries = {entry[2]: entry for entry in heap}
         heapq.heapify(heap)
         self._heap = heap
-        self._pending.clear()
         self._stale = 0
