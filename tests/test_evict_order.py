@@ -142,13 +142,21 @@ def test_a_touched_entry_is_re_keyed_when_it_surfaces():
     assert order.pop() is a and order.pop() is None and not order
 
 
-def test_stale_entries_are_skipped_and_compacted():
+def test_parked_entries_are_revived_skipped_and_compacted():
     order = EvictOrder(LRUStrategy())
     nodes = [Leaf(t) for t in range(1000)]
     for x in nodes:
         order.add(x)
+    for _ in range(3):  # lock / unlock churn: the entries are parked and revived, never pushed again
+        order.difference_update(nodes[:400])
+        for x in nodes[:400]:
+            order.add(x)
+        assert order.heap_size == 1000 == len(order)
+    nodes[1].last_access_time = 5000  # touched while locked: revived with its old key, re-keyed when it surfaces
+    order.discard(nodes[1])
+    order.add(nodes[1])
     for x in nodes[:900]:
-        order.discard(x)  # locked: their heap entries go stale
+        order.discard(x)  # given children: their entries stay parked until a rebuild drops them
         assert order.heap_size <= 2 * len(order) + 64
     assert order.heap_size < 1000  # rebuilt from the live ones at least once
     order.discard(nodes[950])
@@ -157,6 +165,9 @@ def test_stale_entries_are_skipped_and_compacted():
     assert [order.pop() for _ in range(3)] == nodes[900:903]
     order.add(nodes[0])  # back, with its old key: evicted first again
     assert order.pop() is nodes[0]
+    order.add(nodes[1])
+    assert nodes[1] not in [order.pop() for _ in range(96)]  # 903..999 but 950 go first
+    assert order.pop() is nodes[1] and order.pop() is None
     order.difference_update(nodes)
     assert len(order) == 0 and order.pop() is None
     order.add(nodes[5])

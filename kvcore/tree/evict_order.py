@@ -8,11 +8,12 @@ Each leaf has one live heap entry ``(priority, tie * id, node)``, the key the
 per-call heap used (``tie`` is -1 for policies that evict the newest among equal
 priorities); ids are unique, so the keys are totally ordered and the pop order is
 the per-call heap's.  An entry is live while the ``node -> entry`` dict holds that
-very entry: ``discard`` only drops the dict's, and the heap's stale copy is skipped
-when it surfaces (or dropped when stale entries outnumber live ones: the heap is
-rebuilt from the live ones).  ``add`` pushes at once, so that one eviction never
-pays for the leaves added since the last (a new leaf under a time-ordered policy is
-the newest, and its push stays at the bottom of the heap).
+very entry.  ``discard`` (a leaf locked, or given a child) parks the entry: it stays
+in the heap, and an ``add`` of the node (unlocked again) revives it instead of
+pushing a new one; a parked entry that surfaces is dropped, and when parked entries
+outnumber live ones the heap is rebuilt from the live ones.  ``add`` of a new node
+pushes at once, so that one eviction never pays for the leaves added since the last
+(a new leaf under a time-ordered policy is the newest: its push stays at the bottom).
 
 The keys are not updated when a match touches a node (no hook on the request
 path).  That is exact for a *monotone* policy (:attr:`EvictionStrategy.monotone`:
@@ -35,8 +36,8 @@ from kvcore.tree.policies import EvictionStrategy
 
 __all__ = ["EvictOrder"]
 
-# Stale heap entries tolerated before a rebuild: this many, and more than there are live ones.
-_MIN_STALE = 64
+# Parked heap entries tolerated before a rebuild: this many, and more than there are live ones.
+_MIN_PARKED = 64
 
 
 class EvictOrder:
@@ -50,7 +51,7 @@ class EvictOrder:
     ``monotone`` (whether stored keys may be re-keyed lazily).
     """
 
-    __slots__ = ("_entries", "_heap", "_stale", "_priority", "_tie", "monotone")
+    __slots__ = ("_entries", "_parked", "_heap", "_priority", "_tie", "monotone")
 
     def __init__(self, policy: Any) -> None:
         strategy = policy if isinstance(policy, EvictionStrategy) else None
@@ -58,8 +59,8 @@ class EvictOrder:
         self._tie = -1 if strategy is not None and strategy.newest_first else 1
         self.monotone = strategy is not None and strategy.monotone
         self._entries: dict[Any, tuple] = {}  # node -> its live heap entry
-        self._heap: list[tuple] = []
-        self._stale = 0  # heap entries no longer live
+        self._parked: dict[Any, tuple] = {}  # node out of the set -> its entry still in the heap
+        self._heap: list[tuple] = []  # the entries of both
 
     # ------------------------------------------------------------------ the set
 
@@ -74,25 +75,30 @@ class EvictOrder:
 
     @property
     def heap_size(self) -> int:
-        """Heap entries held, live or stale: at most ``2 * len(self) + 64`` after any ``discard``."""
+        """Heap entries held, live or parked: at most ``2 * len(self) + 64`` after any ``discard``."""
         return len(self._heap)
 
     def __repr__(self) -> str:
-        return f"<EvictOrder {len(self._entries)} nodes, heap {len(self._heap)}, {self._stale} stale>"
+        return f"<EvictOrder {len(self._entries)} nodes, {len(self._parked)} parked>"
 
     def add(self, node: Any) -> None:
         entries = self._entries
-        if node not in entries:
+        if node in entries:
+            return
+        entry = self._parked.pop(node, None)
+        if entry is None:
             # A new leaf is the newest: under a time-ordered policy the push stays at the bottom (one comparison).
             entry = (self._priority(node), self._tie * node.id, node)
-            entries[node] = entry
             heapq.heappush(self._heap, entry)
+        # (A revived entry's key may be older than the node's: re-keyed when it surfaces, see pop.)
+        entries[node] = entry
 
     def discard(self, node: Any) -> None:
-        entries = self._entries
-        if entries.pop(node, None) is not None:
-            self._stale += 1
-            if self._stale > _MIN_STALE and self._stale > len(entries):
+        entry = self._entries.pop(node, None)
+        if entry is not None:
+            parked = self._parked
+            parked[node] = entry
+            if len(parked) > _MIN_PARKED and len(parked) > len(self._entries):
                 self._rebuild()
 
     def difference_update(self, nodes: Iterable[Any]) -> None:
@@ -101,8 +107,8 @@ class EvictOrder:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._parked.clear()
         self._heap.clear()
-        self._stale = 0
 
     # ------------------------------------------------------------------ eviction
 
@@ -119,7 +125,7 @@ class EvictOrder:
             entry = heappop(heap)
             node = entry[2]
             if entries.get(node) is not entry:
-                self._stale -= 1
+                del self._parked[node]  # out of the set: a later add pushes it anew
                 continue
             key = priority(node)
             if key != entry[0]:
@@ -133,10 +139,10 @@ class EvictOrder:
         return None
 
     def _rebuild(self) -> None:
-        """One entry per node of the set, at its current key; no stale entries."""
+        """One entry per node of the set, at its current key; nothing parked."""
         priority, tie = self._priority, self._tie
         heap = [(priority(node), tie * node.id, node) for node in self._entries]
         self._entries = {entry[2]: entry for entry in heap}
         heapq.heapify(heap)
         self._heap = heap
-        self._stale = 0
+        self._parked = {}
