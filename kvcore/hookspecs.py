@@ -54,7 +54,10 @@ def kvcore_register_eviction_policies(register: Callable[[str, Callable[[], Any]
     """Register eviction policies for tree backends: ``register(name, factory)``.
 
     ``factory()`` returns an object with ``get_priority(node)``; nodes with the
-    smallest priority are evicted first.  Names follow the registrar's one rule
+    smallest priority are evicted first.  A :class:`kvcore.tree.EvictionStrategy`
+    subclass may declare ``monotone = True`` (a node's priority never decreases while
+    it is in the tree): trees then keep their leaves ordered instead of ranking every
+    leaf on each eviction.  Names follow the registrar's one rule
     (:mod:`kvcore.plugins`).  Every implementation is called; the return value is ignored.
     """
 

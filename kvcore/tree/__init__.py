@@ -77,7 +77,12 @@ Order
     ``filo``, ``priority``, ``slru`` and any a plugin registers through
     ``kvcore_register_eviction_policies``), built by name with :func:`resolve_policy`;
     :class:`EvictionStrategy` is their base and ``BUILTIN_POLICIES`` maps the
-    built-in names to their classes.
+    built-in names to their classes.  :class:`EvictOrder` keeps a tree's evictable
+    leaves in a policy's order (:mod:`kvcore.tree.evict_order`): a set (``add``,
+    ``discard``, ``difference_update``, ``in``, ``len``, iteration) whose ``pop()``
+    gives the next victim in O(log n), in the order a per-call heap of every leaf
+    would; call ``refresh()`` once before the pops of each eviction (it re-ranks
+    every leaf for a policy that is not ``monotone``, e.g. ``mru``).
 
 KV events
     :mod:`kvcore.tree.events`: :class:`PageStored`, :class:`PageRemoved`,
@@ -105,6 +110,7 @@ from kvcore.tree.events import (
     record_removed,
     record_stored,
 )
+from kvcore.tree.evict_order import EvictOrder
 from kvcore.tree.lru import LRUList
 from kvcore.tree.match import child_key, descend, edge_match_len, prefix_match_len
 from kvcore.tree.node import (
@@ -124,6 +130,7 @@ from kvcore.tree.values import alloc_value, checked_value, join_values, path_val
 __all__ = [
     "AllPagesCleared",
     "BUILTIN_POLICIES",
+    "EvictOrder",
     "EvictionStrategy",
     "KVEventLog",
     "LRUList",

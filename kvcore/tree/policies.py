@@ -32,9 +32,17 @@ class EvictionStrategy:
 
     ``newest_first``: among equal priorities evict the newest node first (policies
     ordering by negated time, where SGLang's finer clock would rank the newer node lower).
+
+    ``monotone``: a node's priority never decreases while it stays in the tree (given
+    a clock that never goes back), so a tree may keep its evictable leaves in a heap
+    and re-key an entry only when it surfaces (:class:`kvcore.tree.EvictOrder`).
+    False (the default, and what a plugin policy gets unless it says otherwise): the
+    tree ranks every evictable leaf afresh on each eviction, correct for any policy.
+    A policy that says True and is not monotone evicts in the wrong order.
     """
 
     newest_first = False
+    monotone = False
 
     def get_priority(self, node: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -43,6 +51,8 @@ class EvictionStrategy:
 class LRUStrategy(EvictionStrategy):
     """Least recently used first."""
 
+    monotone = True  # access times only grow
+
     def get_priority(self, node: Any) -> float:
         return node.last_access_time
 
@@ -50,12 +60,16 @@ class LRUStrategy(EvictionStrategy):
 class LFUStrategy(EvictionStrategy):
     """Least frequently hit first, then least recently used."""
 
+    monotone = True  # hit counts and access times only grow
+
     def get_priority(self, node: Any) -> tuple[int, float]:
         return (node.hit_count, node.last_access_time)
 
 
 class FIFOStrategy(EvictionStrategy):
     """Oldest node first."""
+
+    monotone = True  # a creation time never changes
 
     def get_priority(self, node: Any) -> float:
         return node.creation_time
@@ -65,6 +79,7 @@ class MRUStrategy(EvictionStrategy):
     """Most recently used first."""
 
     newest_first = True
+    monotone = False  # a touch lowers the priority (-last_access_time): re-ranked each eviction
 
     def get_priority(self, node: Any) -> float:
         return -node.last_access_time
@@ -74,6 +89,7 @@ class FILOStrategy(EvictionStrategy):
     """Newest node first."""
 
     newest_first = True
+    monotone = True  # a creation time never changes
 
     def get_priority(self, node: Any) -> float:
         return -node.creation_time
@@ -82,12 +98,16 @@ class FILOStrategy(EvictionStrategy):
 class PriorityStrategy(EvictionStrategy):
     """Lowest request priority first, then least recently used."""
 
+    monotone = True  # a node's priority is only raised, access times only grow
+
     def get_priority(self, node: Any) -> tuple[int, float]:
         return (node.priority, node.last_access_time)
 
 
 class SLRUStrategy(EvictionStrategy):
     """Segmented LRU: nodes hit fewer than ``protected_threshold`` times go first."""
+
+    monotone = True  # a hit count only grows (a node only moves up a segment), access times only grow
 
     def __init__(self, protected_threshold: int = 2) -> None:
         self.protected_threshold = protected_threshold

@@ -9,7 +9,6 @@ concatenates once at the end.  One clock reading per call, ``__slots__`` nodes.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import sys
 import time
@@ -24,6 +23,7 @@ from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.pools.allocator import SlotClaims
 from kvcore.record import floor_align
 from kvcore.tree import (
+    EvictOrder,
     KVEventLog,
     Node,
     check_evict_count,
@@ -39,7 +39,6 @@ from kvcore.tree import (
     split_node,
     unlock_path,
 )
-from kvcore.tree.policies import EvictionStrategy
 from kvcore_radix.config import RadixConfig
 
 if TYPE_CHECKING:
@@ -118,12 +117,10 @@ class RadixCache(KVEventLog, BasePrefixCache):
         self.eviction_policy = str(config.eviction_policy).lower()
         # key_validation is radix's own option; a config of another backend built on this tree (npu) validates fully.
         self._check_match_tail = not (isinstance(config, RadixConfig) and config.key_validation == "stored")
+        # Equal priorities go oldest node first, or newest first for policies that evict the
+        # newest (mru, filo: the strategy's newest_first, which EvictOrder reads): SGLang's
+        # clock orders a new leaf after its split sibling within one call, where ours reads it once.
         self.eviction_strategy = resolve_policy(self.eviction_policy)
-        # Equal priorities go oldest node first, or newest first for policies that
-        # evict the newest (mru, filo): SGLang's clock orders a new leaf after its split
-        # sibling within one call, where ours reads the clock once.
-        strategy = self.eviction_strategy
-        self._evict_tie = -1 if isinstance(strategy, EvictionStrategy) and strategy.newest_first else 1
         self.device = torch.device("cpu" if alloc is None else alloc.device)
         self._events: list = []
         self._init_tree()
@@ -140,7 +137,8 @@ class RadixCache(KVEventLog, BasePrefixCache):
         self.root_node = root
         self._evictable_size = 0
         self._protected_size = 0
-        self._evictable_leaves: set[TreeNode] = set()
+        # The unlocked childless nodes, in eviction order (no scan of them per evict call).
+        self._evictable_leaves = EvictOrder(self.eviction_strategy)
         self._empty_match = MatchResult(root.value, root, root)
 
     def reset(self) -> None:
@@ -404,35 +402,32 @@ class RadixCache(KVEventLog, BasePrefixCache):
 
     def evict(self, num_tokens: int) -> EvictResult:
         num_tokens = check_evict_count(num_tokens)
-        if self.disable or num_tokens <= 0 or not self._evictable_leaves:
-            return EvictResult(0)
-        get_priority = self.eviction_strategy.get_priority
-        tie = self._evict_tie
-        heap = [(get_priority(x), tie * x.id, x) for x in self._evictable_leaves]
-        heapq.heapify(heap)
-        self._last_walk = None
         leaves = self._evictable_leaves
+        if self.disable or num_tokens <= 0 or not leaves:
+            return EvictResult(0)
+        self._last_walk = None
+        leaves.refresh()
         root = self.root_node
         events = self._events if self.enable_kv_events else None
         freed = []
         num = 0
-        while num < num_tokens and heap:
-            x = heapq.heappop(heap)[2]
+        while num < num_tokens:
+            x = leaves.pop()  # taken out of the set
+            if x is None:
+                break
             value = x.value
             freed.append(value)
             size = len(x.key)
             num += size
             parent = x.parent
             del parent.children[x.ck]
-            leaves.discard(x)
             self._evictable_size -= size
             if events is not None:
                 record_removed(events, x)
             x.value = None
             x.parent = None
             if parent is not root and parent.lock_ref == 0 and not parent.children:
-                leaves.add(parent)
-                heapq.heappush(heap, (get_priority(parent), tie * parent.id, parent))
+                leaves.add(parent)  # a candidate of this same call, as in SGLang
         if freed:
             self._free_evicted(freed)
         return EvictResult(num_tokens_evicted=num)

@@ -5,7 +5,6 @@ See :mod:`kvcore.components` for the contract every component follows.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -121,24 +120,13 @@ class FullComponent(TreeComponent):
 
     def evict(self, target: int, tracker: dict[str, int]) -> None:
         cache = self.cache
-        leaves = cache.leaves
-        heap = [(x.last_access_time, x.id, x) for x in leaves]
-        heapq.heapify(heap)
-        last_parent = None
-        while True:
-            if last_parent is not None and last_parent in leaves:
-                heapq.heappush(heap, (last_parent.last_access_time, last_parent.id, last_parent))
-            last_parent = None
-            found = None
-            while tracker["full"] < target and heap:
-                x = heapq.heappop(heap)[2]
-                if x in leaves:
-                    found = x
-                    break
-            if found is None:
+        leaves = cache.leaves  # an EvictOrder by recency: a parent left childless is a candidate at once
+        leaves.refresh()
+        while tracker["full"] < target:
+            x = leaves.pop()
+            if x is None:
                 return
-            last_parent = found.parent
-            cache.delete_leaf(found, tracker)
+            cache.delete_leaf(x, tracker)
 
     def evictable_size(self) -> int:
         return self._evictable

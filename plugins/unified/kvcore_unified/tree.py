@@ -30,6 +30,7 @@ from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
+    EvictOrder,
     KVEventLog,
     Node,
     alloc_value,
@@ -50,6 +51,7 @@ from kvcore.tree import (
     split_node,
     tree_lines,
 )
+from kvcore.tree.policies import LRUStrategy
 from kvcore_unified.config import UnifiedConfig
 
 if TYPE_CHECKING:
@@ -166,7 +168,8 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         root.value = self._empty
         root.hash_value = []
         self.root_node = root
-        self.leaves: set[UnifiedNode] = set()
+        # SGLang's D-leaves (unlocked, childless), least recently used first (the full component's order).
+        self.leaves = EvictOrder(LRUStrategy())
         for c in self.components:
             c.reset_state()
         self._empty_match = MatchResult(self._empty, root, root, 0, {"matched_len": 0})
