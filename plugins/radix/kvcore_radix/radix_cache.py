@@ -40,6 +40,7 @@ from kvcore.tree import (
     unlock_path,
 )
 from kvcore.tree.policies import EvictionStrategy
+from kvcore.tree.resume import ResumableInsert
 from kvcore_radix.config import RadixConfig
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class TreeNode(Node):
         return f"<radix node {self.id} len={len(self.key)} lock_ref={self.lock_ref} key={ids}>"
 
 
-class RadixCache(KVEventLog, BasePrefixCache):
+class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
     """SGLang-style radix tree cache; the class is its own ``create_cache`` factory."""
 
     # Tests may replace the clock on an instance (e.g. an itertools counter).
@@ -308,25 +309,38 @@ class RadixCache(KVEventLog, BasePrefixCache):
             ids = rk.token_ids
             path, pos, split_child, m, _ = self._walk(rk, n)
         self._last_walk = None
-        pos0 = pos + m
-        v = None
-        if pos0 < n:
-            if value is None:
-                v = torch.tensor(ids[pos0:n], dtype=torch.int64, device=self.device)
-            else:
-                if value.dtype is torch.int64:
-                    v = torch.narrow_copy(value, 0, pos0, n - pos0)  # one op: ~2x cheaper than slice + clone
-                else:
-                    v = value[pos0:n].to(torch.int64)
-                if self.strict:
-                    # Refused (nothing changed) unless every new slot may become this tree's own.
-                    self._claims.check_claimable(v, commit=True)
+        v = self._leaf_value(ids, value, pos + m, n)
         # Nothing has changed so far; from here on the insert cannot fail.
+        return self._commit_insert(path, split_child, m, ids, pos, n, v, priority, chunked, rk.extra_key)
+
+    def _leaf_value(self, ids: list[int], value: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+        """The new leaf's own slots (``[start, n)`` of the key), claimed under strict; None when nothing is new."""
+        if start >= n:
+            return None
+        if value is None:
+            return torch.tensor(ids[start:n], dtype=torch.int64, device=self.device)
+        if value.dtype is torch.int64:
+            v = torch.narrow_copy(value, 0, start, n - start)  # one op: ~2x cheaper than slice + clone
+        else:
+            v = value[start:n].to(torch.int64)
+        if self.strict:
+            # Refused (nothing changed) unless every new slot may become this tree's own.
+            self._claims.check_claimable(v, commit=True)
+        return v
+
+    def _commit_insert(self, path: list, split_child: TreeNode | None, m: int, ids: list[int], pos: int, n: int,
+                       v: torch.Tensor | None, priority: int | None, chunked: bool, extra_key: str | None,
+                       base: int = 0) -> InsertResult:
+        """The insert's changes once its walk is known: ``path`` (root side first) touched, the split, the new leaf.
+
+        ``ids[pos:n]`` are the key's tokens past ``path`` (``base`` tokens in front of
+        ``ids[0]``: a resumed insert's ids start below its locked node).
+        """
         if priority is None:
             priority = 0
         hit = 0 if chunked else 1
         now = self.clock()
-        node = self.root_node
+        root = node = self.root_node
         node.last_access_time = now
         if priority > node.priority:
             node.priority = priority
@@ -342,15 +356,13 @@ class RadixCache(KVEventLog, BasePrefixCache):
             if priority > node.priority:
                 node.priority = priority
             pos += m
-        prefix_len = pos
+        prefix_len = base + pos
         if v is not None:
-            if pos:
-                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-            else:
-                ck = ids[0] if ps == 1 else tuple(ids[:ps])
-                if rk.extra_key is not None:
-                    ck = (rk.extra_key, ck)
-            leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, rk.extra_key)
+            ps = self.page_size
+            ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            if node is root and extra_key is not None:
+                ck = (extra_key, ck)
+            leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, extra_key)
             leaf.hit_count = hit
             node.children[ck] = leaf
             self._evictable_size += n - pos
@@ -372,14 +384,16 @@ class RadixCache(KVEventLog, BasePrefixCache):
     def inc_lock_ref(self, node: TreeNode) -> LockResult:
         if self.disable:
             return LockResult(delta=0)
-        path = self._path(node, "inc_lock_ref")
+        return LockResult(delta=self._lock(self._path(node, "inc_lock_ref")))
+
+    def _lock(self, path: list) -> int:
         newly: list = []
         delta = lock_path(path, newly)
         if newly:
             self._evictable_leaves.difference_update(newly)
         self._evictable_size -= delta
         self._protected_size += delta
-        return LockResult(delta=delta)
+        return delta
 
     def dec_lock_ref(self, node: TreeNode, lock: LockResult | None = None) -> LockResult:
         if self.disable:
@@ -484,6 +498,8 @@ class RadixCache(KVEventLog, BasePrefixCache):
         if self.disable:
             return
         self.check_req(req, "cache_unfinished_req")
+        if self.resume_unfinished(req, chunked):
+            return
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
@@ -498,3 +514,29 @@ class RadixCache(KVEventLog, BasePrefixCache):
         if match.prefix_len != aligned:
             raise AssertionError(f"request {req.rid!r}: re-match found {match.prefix_len} of {aligned} inserted tokens")
         self.rebase_on_match(req, match, committed)
+        self.note_resume_point(req, match.device_indices)
+
+    # -- the resumed insert's parts (kvcore.tree.resume) ----------------------
+
+    def resume_insert(self, upper: list, ids: list[int], values: torch.Tensor, base: int, priority: int,
+                      chunked: bool) -> tuple[int, Any, bool]:
+        node = upper[-1]
+        n = len(ids)
+        path, pos, split_child, m = descend(node, ids, n, self.page_size)
+        check_token_ids(ids, pos + m, refuse_bools=self.strict)
+        self._last_walk = None
+        v = self._leaf_value(ids, values, pos + m, n)
+        result = self._commit_insert(upper + path, split_child, m, ids, pos, n, v, priority, chunked,
+                                     node.extra_key, base)
+        return result.prefix_len, result.last_device_node, False
+
+    def resume_stamp(self, node: Any) -> None:
+        now = self.clock()
+        root = self.root_node
+        while node is not root:
+            node.last_access_time = now
+            node = node.parent
+        root.last_access_time = now
+
+    def resume_lock(self, nodes: list) -> int:
+        return self._lock(nodes)
