@@ -189,7 +189,7 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     def fill_slice(self, start: int, end: int) -> list[int]:
-        """``fill_ids[start:end]`` (``0 <= start <= end``) without building ``fill_ids``: a chunk costs its own length."""
+        """``fill_ids[start:end]`` (``0 <= start <= end``) without building ``fill_ids``: a chunk costs its length."""
         prompt = self.origin_input_ids
         n = len(prompt)
         if end <= n:

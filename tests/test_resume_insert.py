@@ -298,7 +298,7 @@ def _moved(resume: bool, move) -> tuple:
     s.reqs["r"] = req
     assert s.engine.admit(req)
     for end in (16, 32):
-        s.unfinished(req, lambda: s.engine.extend(req, end))
+        s.unfinished(req, lambda end=end: s.engine.extend(req, end))
     if resume:
         rp = req.kv.resume
         assert rp is not None and rp.node is req.last_node and rp.length == 32

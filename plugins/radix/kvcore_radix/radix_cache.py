@@ -359,7 +359,7 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         prefix_len = base + pos
         if v is not None:
             ps = self.page_size
-            ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            ck: Hashable = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
             if node is root and extra_key is not None:
                 ck = (extra_key, ck)
             leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, extra_key)
