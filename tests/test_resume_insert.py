@@ -23,7 +23,7 @@ import kvcore
 from kvcore import InvariantChecker, RadixKey
 from kvcore.record import Req
 
-BACKENDS = ["radix", "unified"]
+BACKENDS = ["radix", "unified", "example"]
 
 
 def _make(backend: str, ps: int, policy: str) -> kvcore.BasePrefixCache:
@@ -173,10 +173,10 @@ class Pair:
                     return -1
                 v = s.alloc.alloc(n)
                 r = s.cache.insert(RadixKey(key[:n]), v)
-                s.alloc.free(v[: r.prefix_len])  # the duplicates are the caller's (radix) or freed (unified)
+                if not r.duplicates_freed:
+                    s.alloc.free(v[: r.prefix_len])
                 return r.prefix_len
-            if self.sides[0].cache.backend_name == "radix":
-                self.both("insert", insert)
+            self.both("insert", insert)
         elif op < 0.92:
             k = rng.randrange(0, 6 * ps)
             self.both(f"evict {k}", lambda s: s.cache.evict(k).num_tokens_evicted)
@@ -249,7 +249,7 @@ def _split_and_share(s: Side, k: int) -> None:
         n = done + 24
         v = s.alloc.alloc(n)
         r = s.cache.insert(RadixKey(req.origin_input_ids[:n]), v)  # inserts the request's next tokens first
-        if s.cache.backend_name == "radix":
+        if not r.duplicates_freed:
             s.alloc.free(v[: r.prefix_len])
     if k == 7:
         s.cache.evict(10**6)

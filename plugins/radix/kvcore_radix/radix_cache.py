@@ -26,6 +26,7 @@ from kvcore.record import floor_align
 from kvcore.tree import (
     KVEventLog,
     Node,
+    ResumableInsert,
     check_evict_count,
     check_locked,
     descend,
@@ -40,7 +41,6 @@ from kvcore.tree import (
     unlock_path,
 )
 from kvcore.tree.policies import EvictionStrategy
-from kvcore.tree.resume import ResumableInsert
 from kvcore_radix.config import RadixConfig
 
 if TYPE_CHECKING:

@@ -32,6 +32,7 @@ from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
     KVEventLog,
     Node,
+    ResumableInsert,
     alloc_value,
     check_evict_count,
     check_locked,
@@ -50,7 +51,6 @@ from kvcore.tree import (
     split_node,
     tree_lines,
 )
-from kvcore.tree.resume import ResumableInsert
 from kvcore_unified.config import UnifiedConfig
 
 if TYPE_CHECKING:
