@@ -323,3 +323,49 @@ def _shorter_protected(req: Req) -> None:
 def test_fallback_when_the_request_moved(move) -> None:
     """A resume point that no longer fits the record is not used: the whole-prefix path answers, as before."""
     assert _moved(True, move) == _moved(False, move)
+
+
+def _garbage_row_setup(backend: str) -> tuple[Side, Req, Req]:
+    """``a`` cached 16 tokens, ``b`` (the same prompt) 24: ``a``'s next 32 hold duplicates [16, 24), new [24, 32)."""
+    s = Side(backend, 4, "lru", True)
+    ids = list(range(2, 60))
+    a, b = Req("a", ids), Req("b", list(ids))
+    s.reqs.update(a=a, b=b)
+    assert s.engine.admit(a) and s.engine.extend(a, 16)
+    assert s.engine.admit(b) and s.engine.extend(b, 24)
+    assert s.engine.extend_slots(a, 32)
+    a.kv.kv_committed_len = 32
+    return s, a, b
+
+
+GARBAGE = {
+    "a tree node's slot among the duplicates": lambda row, brow, free: (20, int(brow[20])),
+    "a free slot in the new part": lambda row, brow, free: (28, int(free[0])),
+    "a slot named twice (duplicate and new part)": lambda row, brow, free: (28, int(row[17])),
+    "the padding slot": lambda row, brow, free: (25, 0),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("resumed", [True, False])
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_a_garbage_row_is_refused_before_anything_changes(backend: str, resumed: bool, kind: str) -> None:
+    """The row's claim: the request's part of its row is checked as a whole before the insert (both paths)."""
+    s, a, b = _garbage_row_setup(backend)
+    r2t = s.cache.req_to_token_pool.req_to_token
+    row, brow = r2t[a.kv.req_pool_idx], r2t[b.kv.req_pool_idx]
+    pos, slot = GARBAGE[kind](row, brow, s.alloc.free_slots())
+    saved = int(row[pos])
+    row[pos] = slot
+    if not resumed:
+        a.kv.resume = None
+    s.state()  # (takes the setup's KV events)
+    before = s.state()
+    with pytest.raises(ValueError, match="request 'a'"):
+        kvcore.cache_unfinished_req(a, s.cache, chunked=True)
+    assert s.state() == before
+    row[pos] = saved
+    kvcore.cache_unfinished_req(a, s.cache, chunked=True)  # the same call with the row put right goes through
+    for rid in ("a", "b"):
+        s.engine.finish(s.reqs.pop(rid))
+    InvariantChecker(s.cache).check([])

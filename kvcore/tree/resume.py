@@ -87,7 +87,9 @@ class ResumableInsert:
         root_node: Any
         page_size: int
         disable: bool
+        strict: bool
         req_to_token_pool: ReqToTokenPool
+        token_to_kv_pool_allocator: Any  # under strict: kvcore.pools.claims.SlotClaims
 
         def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None: ...
 
@@ -101,9 +103,11 @@ class ResumableInsert:
         long; the insert's walk passes it first (its per-node fields: one pass over
         ``upper``), then walks ``ids`` from its last node (splits, a new leaf, KV
         events).  Refuses (nothing changed) exactly what the whole-key insert refuses
-        of these tokens and slots.  Returns the cached length from the root, the
-        node the key ends on, and whether the duplicates of ``values`` were freed
-        here (else the caller frees ``[base, prefix_len)`` of the row).
+        of these tokens; under strict ``values`` were checked claimable already (the
+        row's claim), so the new leaf's slots are claimed without a second check.
+        Returns the cached length from the root, the node the key ends on, and
+        whether the duplicates of ``values`` were freed here (else the caller frees
+        ``[base, prefix_len)`` of the row).
         """
         raise NotImplementedError
 
@@ -149,6 +153,10 @@ class ResumableInsert:
         ids = req.fill_slice(base, aligned)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         values = row[base:aligned].to(torch.int64)
+        if self.strict and aligned > base:
+            # The row's claim, before anything changes: every slot the request offers (the new leaf's and
+            # the duplicates freed below) is allocated, not a tree node's, named once, in whole pages.
+            self.token_to_kv_pool_allocator.check_claimable(values, what=f"request {req.rid!r}")
         prefix_len, last, freed = self.resume_insert(upper, ids, values, base, int(req.priority or 0), chunked)
         if not freed:
             self.free_kv_row(kv, [(base, prefix_len)])

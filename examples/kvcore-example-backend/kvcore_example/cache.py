@@ -138,10 +138,11 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
         return self._commit(path, rk.token_ids, pos, n, slots, rk.extra_key)
 
     def _commit(self, path: list[ExampleNode], ids: list[int], pos: int, n: int, slots: torch.Tensor,
-                extra_key: Any, base: int = 0) -> InsertResult:
+                extra_key: Any, base: int = 0, row_checked: bool = False) -> InsertResult:
         """An insert once its walk is known: ``path`` (root side first) touched, then a leaf for ``ids[pos:n]``.
 
-        ``base``: tokens in front of ``ids[0]`` (a resumed insert's ids start below its locked node).
+        ``base``: tokens in front of ``ids[0]`` (a resumed insert's ids start below its locked node);
+        ``row_checked``: the slots were checked claimable already (a resumed insert checks the request's row).
         """
         node = path[-1] if path else self.root_node
         now = self._clock()
@@ -150,7 +151,9 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
             x.hit_count += 1
         if pos < n:
             new = slots[pos:n].clone()
-            if self.strict:
+            if self.strict and row_checked:
+                self._claims.claim(new, checked=False)
+            elif self.strict:
                 # Claim the slots the tree keeps: refused (nothing changed) when free, padding, out of range,
                 # duplicated or another node's.
                 self._claims.check_claimable(new, commit=True)
@@ -230,8 +233,13 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
 
     def _insert_row(self, req: Req, aligned: int) -> InsertResult:
         kv = req.kv
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        return self.insert(RadixKey(req.fill_ids[:aligned], req.extra_key), row[:aligned].to(torch.int64))
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(torch.int64)
+        protected = kv.cache_protected_len
+        if self.strict and aligned > protected:
+            # The request's part of the row as a whole, before anything changes: the insert keeps some of it
+            # and the caller frees the rest as duplicates, so neither may be refused after the tree changed.
+            self._claims.check_claimable(values[protected:], what=f"request {req.rid!r}")
+        return self.insert(RadixKey(req.fill_ids[:aligned], req.extra_key), values)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         self.check_req(req, "cache_finished_req")
@@ -277,7 +285,7 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
         if child is not None:
             path.append(split_node(child, m, ExampleNode(now=self._clock()), self.page_size))
             pos += m
-        result = self._commit(upper + path, ids, pos, len(ids), values, upper[-1].extra_key, base)
+        result = self._commit(upper + path, ids, pos, len(ids), values, upper[-1].extra_key, base, True)
         return result.prefix_len, result.last_device_node, False
 
     def resume_stamp(self, node: Any) -> None:

@@ -298,6 +298,12 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         ps = self.page_size
         if ps > 1:
             n -= n % ps
+        return self._insert(rk, n, value, priority, chunked, False)
+
+    def _insert(self, rk: RadixKey, n: int, value: torch.Tensor | None, priority: int | None, chunked: bool,
+                row_checked: bool) -> InsertResult:
+        """``insert`` of ``rk``'s first ``n`` (page-aligned) tokens; ``row_checked``: a request's row range
+        holding ``value[n0:n]`` was checked claimable already, so the new leaf's slots are claimed unchecked."""
         if self.disable or n == 0:
             check_token_ids(rk.token_ids)
             return InsertResult(0, self.root_node)
@@ -309,11 +315,12 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             ids = rk.token_ids
             path, pos, split_child, m, _ = self._walk(rk, n)
         self._last_walk = None
-        v = self._leaf_value(ids, value, pos + m, n)
+        v = self._leaf_value(ids, value, pos + m, n, row_checked)
         # Nothing has changed so far; from here on the insert cannot fail.
         return self._commit_insert(path, split_child, m, ids, pos, n, v, priority, chunked, rk.extra_key)
 
-    def _leaf_value(self, ids: list[int], value: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    def _leaf_value(self, ids: list[int], value: torch.Tensor | None, start: int, n: int,
+                    row_checked: bool = False) -> torch.Tensor | None:
         """The new leaf's own slots (``[start, n)`` of the key), claimed under strict; None when nothing is new."""
         if start >= n:
             return None
@@ -324,8 +331,11 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         else:
             v = value[start:n].to(torch.int64)
         if self.strict:
-            # Refused (nothing changed) unless every new slot may become this tree's own.
-            self._claims.check_claimable(v, commit=True)
+            if row_checked:
+                self._claims.claim(v, checked=False)
+            else:
+                # Refused (nothing changed) unless every new slot may become this tree's own.
+                self._claims.check_claimable(v, commit=True)
         return v
 
     def _commit_insert(self, path: list, split_child: TreeNode | None, m: int, ids: list[int], pos: int, n: int,
@@ -485,11 +495,7 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             self.free_kv_row(kv, [(protected, aligned), (aligned, committed)])
         else:
             aligned = floor_align(committed, self.page_size)
-            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-            token_ids = req.fill_ids[:aligned]
-            values = row[:aligned].to(torch.int64)
-            result = self.insert(RadixKey(token_ids, req.extra_key), values,
-                                 priority=req.priority)
+            result = self._insert_row(req, RadixKey(req.fill_ids[:aligned], req.extra_key), aligned, False)
             # Duplicates of what the tree already held, then the unaligned tail.
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
         self.release_req_lock(req)
@@ -504,10 +510,8 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
         aligned = floor_align(committed, self.page_size)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
-        values = row[:aligned].to(torch.int64)
-        result = self.insert(key, values, priority=req.priority, chunked=chunked)
+        result = self._insert_row(req, key, aligned, chunked)
         self.free_kv_row(kv, [(protected, result.prefix_len)])
 
         match = self.match_prefix(key)
@@ -515,6 +519,23 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             raise AssertionError(f"request {req.rid!r}: re-match found {match.prefix_len} of {aligned} inserted tokens")
         self.rebase_on_match(req, match, committed)
         self.note_resume_point(req, match.device_indices)
+
+    def _insert_row(self, req: Req, key: RadixKey, aligned: int, chunked: bool) -> InsertResult:
+        """Insert ``key`` (the request's first ``aligned`` tokens) -> its row's slots.
+
+        Under strict the request's own part of the row, ``[cache_protected_len, aligned)``,
+        is checked first as a whole (the row's claim: allocated, not a tree node's, named
+        once, whole pages), before anything changes: it covers the new leaf's slots and
+        the duplicates freed after the insert, so neither can be refused half-way.
+        """
+        kv = req.kv
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(torch.int64)
+        if len(key) != aligned:
+            raise ValueError(f"insert value has {aligned} slots for a key of {len(key)} tokens")
+        protected = kv.cache_protected_len
+        if self.strict and aligned > protected:
+            self._claims.check_claimable(values[protected:], what=f"request {req.rid!r}")
+        return self._insert(key, aligned, values, req.priority, chunked, self.strict)
 
     # -- the resumed insert's parts (kvcore.tree.resume) ----------------------
 
@@ -525,7 +546,7 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         path, pos, split_child, m = descend(node, ids, n, self.page_size)
         check_token_ids(ids, pos + m, refuse_bools=self.strict)
         self._last_walk = None
-        v = self._leaf_value(ids, values, pos + m, n)
+        v = self._leaf_value(ids, values, pos + m, n, self.strict)  # the row was checked (resume_unfinished)
         result = self._commit_insert(upper + path, split_child, m, ids, pos, n, v, priority, chunked,
                                      node.extra_key, base)
         return result.prefix_len, result.last_device_node, False

@@ -97,6 +97,8 @@ class InsertArgs:
     own_state: bool = False
     # The full-only walk already claimed the new leaf's slots (strict).
     claimed: bool = False
+    # A request's row range holding the value's new slots was checked claimable already (the row's claim).
+    row_checked: bool = False
 
 
 class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
@@ -554,7 +556,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             if rk is not None:
                 self._validate(rk, pos + m)
         self._last_walk = None
-        if self.strict and pos + m < n:
+        if self.strict and pos + m < n and not ins.row_checked:
             # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
             self.token_to_kv_pool_allocator.check_claimable(value[pos + m : n], commit=True)
             ins.claimed = True
@@ -810,10 +812,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if is_insert:
             ins, eff = self._prepare(req, committed, True)
             aligned = floor_align(min(eff, committed), self.page_size)
-            if self.strict and self.aux and aligned > protected:
-                self.token_to_kv_pool_allocator.check_claimable(
-                    self._row(kv)[protected:aligned].to(torch.int64), what=f"request {req.rid!r}")
             values = self._row(kv)[:aligned].to(torch.int64, copy=True)
+            if self.strict and aligned > protected:
+                # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
+                self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
+                ins.row_checked = True
             if aligned > 0:
                 prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins)
                 result = InsertResult(prefix_len, last, duplicates_freed=True)
@@ -848,10 +851,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             return
         aligned = floor_align(eff, self.page_size)
         protected = kv.cache_protected_len
-        if self.strict and self.aux and aligned > protected:
-            self.token_to_kv_pool_allocator.check_claimable(
-                row[protected:aligned].to(torch.int64), what=f"request {req.rid!r}")
         values = row[:aligned].to(torch.int64, copy=True)
+        if self.strict and aligned > protected:
+            # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
+            self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
+            ins.row_checked = True
         key = RadixKey(ids[:aligned], req.extra_key)
         prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins) if aligned else (0, None)
         m = self.match_prefix(key, cow_mamba=False, req=req)
@@ -888,7 +892,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def resume_insert(self, upper: list, ids: list[int], values: torch.Tensor, base: int, priority: int,
                       chunked: bool) -> tuple[int, Any, bool]:
-        ins = InsertArgs(0, 0, None, chunked, int(priority))
+        ins = InsertArgs(0, 0, None, chunked, int(priority), row_checked=self.strict)
         pos, last = self._insert_full(ids, upper[-1].extra_key, len(ids), values, ins, None, upper)
         return base + pos, last, True
 
