@@ -1,9 +1,10 @@
 """The resumed insert of chunked prefill (kvcore.tree.resume) against the whole-prefix path it replaces.
 
 Two caches of one backend run the same random operations in lockstep: on one,
-every ``cache_unfinished_req`` resumes from the request's locked node where it
-can; on the other the record's resume point is dropped before each call, so it
-re-inserts the whole prefix from the root (SGLang's path, as before).  Between a
+every ``cache_unfinished_req`` and ``cache_finished_req`` resumes from the
+request's locked node where it can; on the other the record's resume point is
+dropped before each call, so it re-inserts the whole prefix from the root
+(SGLang's path, as before).  Between a
 request's chunks other requests match, split, insert, lock, evict and finish.
 After every operation both must agree on everything observable: the whole tree
 (keys, slots, locks, hit counts, priorities, access and creation times, creation
@@ -74,7 +75,8 @@ class Side:
         self.reqs: dict[str, Req] = {}
         self.locks: list = []
 
-    def unfinished(self, req: Req, call) -> object:
+    def lifecycle(self, req: Req, call) -> object:
+        """``call`` (a cache_unfinished_req or cache_finished_req of ``req``), on this side's path."""
         if not self.resume:
             req.kv.resume = None  # the whole-prefix path, as before the resumed insert
         return call()
@@ -137,7 +139,7 @@ class Pair:
             def extend(s: Side) -> tuple:
                 req = s.reqs[rid]
                 end = req.kv.kv_committed_len + step
-                return s.unfinished(req, lambda: s.engine.extend(req, end)), req.kv.kv_committed_len
+                return s.lifecycle(req, lambda: s.engine.extend(req, end)), req.kv.kv_committed_len
             self.both(f"extend {rid} +{step}", extend)
         elif op < 0.58 and live:
             rid = rng.choice(live)
@@ -149,14 +151,15 @@ class Pair:
                     return -1
                 n = s.engine.decode([req], [tok])
                 if n:
-                    s.unfinished(req, lambda: kvcore.cache_unfinished_req(req, s.cache))
+                    s.lifecycle(req, lambda: kvcore.cache_unfinished_req(req, s.cache))
                 return n
             self.both(f"decode {rid}", decode)
         elif op < 0.66 and live:
             rid = live[rng.randrange(len(live))]
 
             def finish(s: Side) -> None:
-                s.engine.finish(s.reqs.pop(rid))
+                req = s.reqs.pop(rid)
+                s.lifecycle(req, lambda: s.engine.finish(req))
             self.both(f"finish {rid}", finish)
         elif op < 0.76:
             key, extra = self.prompt(), rng.choice([None, "t"])
@@ -199,7 +202,8 @@ class Pair:
             self.step()
         for s in self.sides:
             InvariantChecker(s.cache).check(list(s.reqs.values()))
-        self.both("finish all", lambda s: [s.engine.finish(s.reqs.pop(r)) for r in sorted(s.reqs)])
+        self.both("finish all", lambda s: [s.lifecycle(req, lambda req=req: s.engine.finish(req))
+                                           for req in [s.reqs.pop(r) for r in sorted(s.reqs)]])
         self.both("unlock all", lambda s: [s.cache.dec_lock_ref(n, lk).delta for n, lk in s.locks])
         for s in self.sides:
             s.locks.clear()
@@ -231,9 +235,9 @@ def _chunked(backend: str, resume: bool, interleave) -> tuple:
     states = []
     for k in range(10):
         interleave(s, k)
-        s.unfinished(req, lambda: s.engine.extend(req, req.kv.kv_committed_len + 16))
+        s.lifecycle(req, lambda: s.engine.extend(req, req.kv.kv_committed_len + 16))
         states.append(s.state())
-    s.engine.finish(s.reqs.pop("long"))
+    s.lifecycle(req, lambda: s.engine.finish(s.reqs.pop("long")))
     states.append(s.state())
     InvariantChecker(s.cache).check([])
     return tuple(states)
@@ -298,13 +302,13 @@ def _moved(resume: bool, move) -> tuple:
     s.reqs["r"] = req
     assert s.engine.admit(req)
     for end in (16, 32):
-        s.unfinished(req, lambda end=end: s.engine.extend(req, end))
+        s.lifecycle(req, lambda end=end: s.engine.extend(req, end))
     if resume:
         rp = req.kv.resume
         assert rp is not None and rp.node is req.last_node and rp.length == 32
     move(req)
     try:
-        s.unfinished(req, lambda: s.engine.extend(req, 48))
+        s.lifecycle(req, lambda: s.engine.extend(req, 48))
         err = None
     except (ValueError, TypeError, AssertionError) as exc:
         err = (type(exc), str(exc))

@@ -93,6 +93,8 @@ class ResumableInsert:
 
         def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None: ...
 
+        def release_req_lock(self, req: Req) -> None: ...
+
     # -- the backend's parts ---------------------------------------------------
 
     def resume_insert(self, upper: list[Any], ids: list[int], values: torch.Tensor, base: int,
@@ -121,33 +123,31 @@ class ResumableInsert:
 
     # -- the shared flow --------------------------------------------------------
 
-    def resume_unfinished(self, req: Req, chunked: bool) -> bool:
-        """Cache ``req``'s committed prefix from its locked node; False (nothing changed) when that is not proven.
-
-        Call it after ``check_req``.  Same answers, tree, fields, events, frees and
-        free-list order as the backend's whole-prefix path.
-        """
+    def _resume_insert_row(self, req: Req, chunked: bool) -> tuple[Any, int, int, Any, list[Any], bool] | None:
+        """The precondition, the row's claim and the insert from the locked node; None (nothing changed) when
+        the request's node and protected length are not proven its own.  Returns ``(resume point, protected,
+        prefix_len, last node, the locked path, whether the insert freed the duplicates)``."""
         kv = req.kv
         rp = kv.resume
         node = req.last_node
         if rp is None or rp.cache is not self or rp.node is not node or self.disable:
-            return False
+            return None
         base = kv.cache_protected_len
         committed = kv.kv_committed_len
         if rp.length != base or base <= 0 or node.extra_key != req.extra_key or req.seqlen < committed:
-            return False
+            return None
         root = self.root_node
         upper: list[Any] = []
         depth = 0
         x = node
         while x is not root:
             if x is None:
-                return False
+                return None
             upper.append(x)
             depth += len(x.key)
             x = x.parent
         if depth != base:
-            return False
+            return None
         upper.reverse()
         aligned = floor_align(committed, self.page_size)
         ids = req.fill_slice(base, aligned)
@@ -157,9 +157,26 @@ class ResumableInsert:
             # The row's claim, before anything changes: every slot the request offers (the new leaf's and
             # the duplicates freed below) is allocated, not a tree node's, named once, in whole pages.
             self.token_to_kv_pool_allocator.check_claimable(values, what=f"request {req.rid!r}")
-        prefix_len, last, freed = self.resume_insert(upper, ids, values, base, int(req.priority or 0), chunked)
+        prefix_len, last, freed = self.resume_insert(upper, ids, values, base, req.priority, chunked)
+        return rp, base, prefix_len, last, upper, freed
+
+    def resume_unfinished(self, req: Req, chunked: bool) -> bool:
+        """Cache ``req``'s committed prefix from its locked node; False (nothing changed) when that is not proven.
+
+        Call it after ``check_req``.  Same answers, tree, fields, events, frees and
+        free-list order as the backend's whole-prefix path.
+        """
+        done = self._resume_insert_row(req, chunked)
+        if done is None:
+            return False
+        rp, base, prefix_len, last, upper, freed = done
+        kv = req.kv
         if not freed:
             self.free_kv_row(kv, [(base, prefix_len)])
+        node = req.last_node
+        committed = kv.kv_committed_len
+        aligned = floor_align(committed, self.page_size)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         self.resume_stamp(last)
         below: list[Any] = []
         x = last
@@ -189,6 +206,25 @@ class ResumableInsert:
             req.prefix_indices = slots[:aligned]
         kv.cache_protected_len = aligned
         rp.node, rp.length, rp.slots = last, aligned, slots
+        return True
+
+    def resume_finished(self, req: Req) -> bool:
+        """``cache_finished_req(req)`` (an insert) from the locked node: the insert of only what the request
+        added, the duplicates and the unaligned tail freed, the lock given back; False (nothing changed) when
+        the precondition is not proven.  Call it after ``check_req``."""
+        done = self._resume_insert_row(req, False)
+        if done is None:
+            return False
+        _, base, prefix_len, _, _, freed = done
+        kv = req.kv
+        committed = kv.kv_committed_len
+        aligned = floor_align(committed, self.page_size)
+        if not freed:
+            # Duplicates of what the tree already held, then the unaligned tail: one free, as SGLang's.
+            self.free_kv_row(kv, [(base, prefix_len), (aligned, committed)])
+        elif committed > aligned:
+            self.free_kv_row(kv, [(aligned, committed)])
+        self.release_req_lock(req)
         return True
 
     def note_resume_point(self, req: Req, indices: torch.Tensor) -> None:

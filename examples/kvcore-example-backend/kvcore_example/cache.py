@@ -248,6 +248,8 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
         aligned = floor_align(committed, self.page_size)
         if self.disable or not is_insert:
             self.free_kv_row(kv, [(protected, committed)])
+        elif self.resume_finished(req):
+            return  # inserted from the request's locked node, the lock given back
         else:
             result = self._insert_row(req, aligned)
             # The tree kept [prefix_len, aligned): free the duplicates above what the request's lock already

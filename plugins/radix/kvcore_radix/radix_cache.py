@@ -493,6 +493,8 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             # Two pieces, as SGLang frees them (paged, the tail's page ends up in front).
             aligned = floor_align(committed, self.page_size)
             self.free_kv_row(kv, [(protected, aligned), (aligned, committed)])
+        elif self.resume_finished(req):
+            return  # inserted from the request's locked node (kvcore.tree.resume), lock given back
         else:
             aligned = floor_align(committed, self.page_size)
             result = self._insert_row(req, RadixKey(req.fill_ids[:aligned], req.extra_key), aligned, False)

@@ -806,6 +806,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
                 c.after_cache_req(req, True, None, None)
             return
         self.check_req(req, "cache_finished_req")
+        if is_insert and not self.aux and self.resume_finished(req):
+            return  # inserted from the request's locked node (kvcore.tree.resume), the lock given back
         ids = request_ids(req, committed)
         ins = None
         result = None
