@@ -18,7 +18,9 @@ tree's slots on the path (:class:`ResumePoint`), grown by each chunk's new part:
 :class:`ResumableInsert` holds that flow once; a tree backend supplies its own
 per-node parts (:meth:`ResumableInsert.resume_insert`,
 :meth:`ResumableInsert.resume_stamp`, :meth:`ResumableInsert.resume_lock`) and
-calls :meth:`ResumableInsert.resume_unfinished` first in ``cache_unfinished_req``.
+calls :meth:`ResumableInsert.resume_unfinished` first in ``cache_unfinished_req``
+(and :meth:`ResumableInsert.resume_finished` in ``cache_finished_req``: the last
+insert of a request also covers only what it added).
 Whenever the precondition is not proven (no resume point of this cache, the
 request's node or protected length moved, another namespace, the lock given back,
 fewer ids than committed) it answers False and the backend runs SGLang's
@@ -29,6 +31,14 @@ request's ``fill_ids[:cache_protected_len]`` are the tokens that were cached for
 it (the engine never rewrites them; the fuzz checks every row's K/V against them).
 A caller writing into ``req_to_token[row, :cache_protected_len]`` changes nothing
 here: as on SGLang's path, those positions are the tree's and are not read.
+
+Under ``strict`` the request's own part of its row, ``[cache_protected_len,
+aligned)``, is checked as a whole before anything changes (the row's claim:
+every slot in range, allocated, not a tree node's, named once, in whole pages).
+It covers the new leaf's slots, which are then claimed without a second check,
+and the duplicates freed after the insert, so nothing can be refused half-way.
+It does not prove that a slot was handed to *this* request (``req_to_token`` is a
+plain tensor: no per-row provenance), no more than the per-slot check did.
 """
 
 from __future__ import annotations
