@@ -279,12 +279,16 @@ class BasePrefixCache(ABC):
         self.check_node_locked(node, what)
 
     def release_req_lock(self, req: Req) -> None:
-        """Give back ``req``'s lock (``dec_lock_ref(req.last_node, req.lock)``) and clear both fields."""
+        """Give back ``req``'s lock (``dec_lock_ref(req.last_node, req.lock)``) and clear both fields.
+
+        The record's resume point (``ReqKvInfo.resume``) names that lock's node: it goes too.
+        """
         node = req.last_node
         if node is not None:
             self.dec_lock_ref(node, req.lock)
         req.last_node = None
         req.lock = None
+        req.kv.resume = None
 
     # -- sizes --------------------------------------------------------------
 

@@ -78,6 +78,9 @@ class ReqKvInfo:
     components: dict[str, Any] = field(default_factory=dict)
     # Host-side KV backup the request holds across a retraction (``Req.offload_kv_cache``).
     retraction_backup: RetractionBackup | None = None
+    # Where the next cache_unfinished_req may resume its insert (kvcore.tree.resume.ResumePoint): the
+    # tree's slots of [0, cache_protected_len) and the locked node they end on.  A cache's, checked before use.
+    resume: Any = field(default=None, repr=False, compare=False)
 
     def swa_dead_lo(self, page_size: int) -> int:
         """Lowest position whose window slot this record may free itself."""
@@ -185,6 +188,16 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` (``0 <= start <= end``) without building ``fill_ids``: a chunk costs its length."""
+        prompt = self.origin_input_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return prompt[start:] + self.output_ids[: end - n]
+
     def detach_kv(self) -> ReqKvInfo:
         """Hand the record over (to a session slot) and leave a fresh one behind."""
         kv, self.kv = self.kv, ReqKvInfo()
@@ -217,6 +230,7 @@ class Req:
         self.lock = None
         kv.cache_protected_len = 0
         kv.kv_committed_len = 0
+        kv.resume = None
         kv.components.clear()
         self.is_retracted = True
 

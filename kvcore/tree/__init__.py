@@ -84,6 +84,12 @@ Order
     would; call ``refresh()`` once before the pops of each eviction (it re-ranks
     every leaf for a policy that is not ``monotone``, e.g. ``mru``).
 
+Resumed inserts
+    :class:`ResumableInsert` (a mixin before ``BasePrefixCache``): a running request's next
+    prefill chunk goes in from its locked node with only its new tokens and slots, as the
+    whole-prefix re-insert would leave everything; the backend supplies ``resume_insert``,
+    ``resume_stamp`` and ``resume_lock``.  :class:`ResumePoint` is what a record keeps for it.
+
 KV events
     :mod:`kvcore.tree.events`: :class:`PageStored`, :class:`PageRemoved`,
     :class:`AllPagesCleared`, chained SHA-256 page hashes (:func:`page_hash`,
@@ -125,6 +131,7 @@ from kvcore.tree.node import (
     unlock_path,
 )
 from kvcore.tree.policies import BUILTIN_POLICIES, EvictionStrategy, resolve_policy
+from kvcore.tree.resume import ResumableInsert, ResumePoint
 from kvcore.tree.values import alloc_value, checked_value, join_values, path_values, proven_prefix_len
 
 __all__ = [
@@ -137,6 +144,8 @@ __all__ = [
     "Node",
     "PageRemoved",
     "PageStored",
+    "ResumableInsert",
+    "ResumePoint",
     "alloc_value",
     "chain_page_hashes",
     "check_evict_count",

@@ -31,8 +31,10 @@ from kvcore.pools.allocator import SlotClaims
 from kvcore.record import floor_align
 from kvcore.tree import (
     Node,
+    ResumableInsert,
     check_evict_count,
     check_locked,
+    check_token_ids,
     checked_key,
     checked_value,
     child_key,
@@ -71,7 +73,7 @@ class ExampleNode(Node):
         self.priority = 0
 
 
-class ExampleCache(BasePrefixCache):
+class ExampleCache(ResumableInsert, BasePrefixCache):
     """A radix tree over kvcore's pools: page-aligned reuse, path locks, policy-ordered leaf eviction."""
 
     def __init__(self, params: CacheInitParams) -> None:
@@ -132,8 +134,16 @@ class ExampleCache(BasePrefixCache):
         slots = checked_value(value, len(rk), n, self.device)  # TypeError / ValueError, nothing changed
         if self.disable or n == 0:
             return InsertResult(0, self.root_node)
-        ids = rk.token_ids
         path, pos = self._walk(rk, n)
+        return self._commit(path, rk.token_ids, pos, n, slots, rk.extra_key)
+
+    def _commit(self, path: list[ExampleNode], ids: list[int], pos: int, n: int, slots: torch.Tensor,
+                extra_key: Any, base: int = 0, row_checked: bool = False) -> InsertResult:
+        """An insert once its walk is known: ``path`` (root side first) touched, then a leaf for ``ids[pos:n]``.
+
+        ``base``: tokens in front of ``ids[0]`` (a resumed insert's ids start below its locked node);
+        ``row_checked``: the slots were checked claimable already (a resumed insert checks the request's row).
+        """
         node = path[-1] if path else self.root_node
         now = self._clock()
         for x in path:
@@ -141,17 +151,19 @@ class ExampleCache(BasePrefixCache):
             x.hit_count += 1
         if pos < n:
             new = slots[pos:n].clone()
-            if self.strict:
+            if self.strict and row_checked:
+                self._claims.claim(new, checked=False)
+            elif self.strict:
                 # Claim the slots the tree keeps: refused (nothing changed) when free, padding, out of range,
                 # duplicated or another node's.
                 self._claims.check_claimable(new, commit=True)
-            ck = child_key(ids, pos, self.page_size, rk.extra_key if pos == 0 else None)
-            leaf = ExampleNode(ids[pos:n], new, node, ck, rk.extra_key, now)
+            ck = child_key(ids, pos, self.page_size, extra_key if node is self.root_node else None)
+            leaf = ExampleNode(ids[pos:n], new, node, ck, extra_key, now)
             leaf.hit_count = 1
             node.children[ck] = leaf
             self._evictable += n - pos
             node = leaf
-        return InsertResult(pos, node)
+        return InsertResult(base + pos, node)
 
     # -- locks ----------------------------------------------------------------------------
 
@@ -163,10 +175,13 @@ class ExampleCache(BasePrefixCache):
     def inc_lock_ref(self, node: Any) -> LockResult:
         if self.disable:
             return LockResult(delta=0)
-        delta = lock_path(self._path(node, "inc_lock_ref"))
+        return LockResult(delta=self._lock(self._path(node, "inc_lock_ref")))
+
+    def _lock(self, path: list[ExampleNode]) -> int:
+        delta = lock_path(path)
         self._evictable -= delta
         self._protected += delta
-        return LockResult(delta=delta)
+        return delta
 
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         if self.disable:
@@ -218,8 +233,13 @@ class ExampleCache(BasePrefixCache):
 
     def _insert_row(self, req: Req, aligned: int) -> InsertResult:
         kv = req.kv
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        return self.insert(RadixKey(req.fill_ids[:aligned], req.extra_key), row[:aligned].to(torch.int64))
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(torch.int64)
+        protected = kv.cache_protected_len
+        if self.strict and aligned > protected:
+            # The request's part of the row as a whole, before anything changes: the insert keeps some of it
+            # and the caller frees the rest as duplicates, so neither may be refused after the tree changed.
+            self._claims.check_claimable(values[protected:], what=f"request {req.rid!r}")
+        return self.insert(RadixKey(req.fill_ids[:aligned], req.extra_key), values)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         self.check_req(req, "cache_finished_req")
@@ -228,6 +248,8 @@ class ExampleCache(BasePrefixCache):
         aligned = floor_align(committed, self.page_size)
         if self.disable or not is_insert:
             self.free_kv_row(kv, [(protected, committed)])
+        elif self.resume_finished(req):
+            return  # inserted from the request's locked node, the lock given back
         else:
             result = self._insert_row(req, aligned)
             # The tree kept [prefix_len, aligned): free the duplicates above what the request's lock already
@@ -239,6 +261,9 @@ class ExampleCache(BasePrefixCache):
         if self.disable:
             return
         self.check_req(req, "cache_unfinished_req")
+        # The next chunk from the request's locked node, when kvcore.tree.resume can prove it may.
+        if self.resume_unfinished(req, chunked):
+            return
         kv = req.kv
         committed, protected = kv.kv_committed_len, kv.cache_protected_len
         aligned = floor_align(committed, self.page_size)
@@ -251,6 +276,30 @@ class ExampleCache(BasePrefixCache):
             node = result.last_device_node
             match = MatchResult(path_values(node, self.root_node, self._empty), node, node)
         self.rebase_on_match(req, match, committed)
+        self.note_resume_point(req, match.device_indices)
+
+    # -- the resumed insert's parts: what insert and match_prefix do to the nodes ---------
+
+    def resume_insert(self, upper: list, ids: list[int], values: torch.Tensor, base: int, priority: int,
+                      chunked: bool) -> tuple[int, Any, bool]:
+        check_token_ids(ids)  # insert checks the whole key; the ids above are the tree's own
+        path, pos, child, m = descend(upper[-1], ids, len(ids), self.page_size)
+        if child is not None:
+            path.append(split_node(child, m, ExampleNode(now=self._clock()), self.page_size))
+            pos += m
+        result = self._commit(upper + path, ids, pos, len(ids), values, upper[-1].extra_key, base, True)
+        return result.prefix_len, result.last_device_node, False
+
+    def resume_stamp(self, node: Any) -> None:
+        path = path_to_root(node, self.root_node)
+        if sum(len(x.key) for x in path) < self.min_prefix_tokens:
+            return  # match_prefix hides a prefix this short and touches nothing
+        now = self._clock()
+        for x in path:
+            x.last_access_time = now
+
+    def resume_lock(self, nodes: list) -> int:
+        return self._lock(nodes)
 
     # -- sizes, pools, checks ---------------------------------------------------------------
 

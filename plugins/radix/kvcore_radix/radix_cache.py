@@ -26,6 +26,7 @@ from kvcore.tree import (
     EvictOrder,
     KVEventLog,
     Node,
+    ResumableInsert,
     check_evict_count,
     check_locked,
     descend,
@@ -89,7 +90,7 @@ class TreeNode(Node):
         return f"<radix node {self.id} len={len(self.key)} lock_ref={self.lock_ref} key={ids}>"
 
 
-class RadixCache(KVEventLog, BasePrefixCache):
+class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
     """SGLang-style radix tree cache; the class is its own ``create_cache`` factory."""
 
     # Tests may replace the clock on an instance (e.g. an itertools counter).
@@ -296,6 +297,12 @@ class RadixCache(KVEventLog, BasePrefixCache):
         ps = self.page_size
         if ps > 1:
             n -= n % ps
+        return self._insert(rk, n, value, priority, chunked, False)
+
+    def _insert(self, rk: RadixKey, n: int, value: torch.Tensor | None, priority: int | None, chunked: bool,
+                row_checked: bool) -> InsertResult:
+        """``insert`` of ``rk``'s first ``n`` (page-aligned) tokens; ``row_checked``: a request's row range
+        holding ``value[n0:n]`` was checked claimable already, so the new leaf's slots are claimed unchecked."""
         if self.disable or n == 0:
             check_token_ids(rk.token_ids)
             return InsertResult(0, self.root_node)
@@ -307,25 +314,42 @@ class RadixCache(KVEventLog, BasePrefixCache):
             ids = rk.token_ids
             path, pos, split_child, m, _ = self._walk(rk, n)
         self._last_walk = None
-        pos0 = pos + m
-        v = None
-        if pos0 < n:
-            if value is None:
-                v = torch.tensor(ids[pos0:n], dtype=torch.int64, device=self.device)
-            else:
-                if value.dtype is torch.int64:
-                    v = torch.narrow_copy(value, 0, pos0, n - pos0)  # one op: ~2x cheaper than slice + clone
-                else:
-                    v = value[pos0:n].to(torch.int64)
-                if self.strict:
-                    # Refused (nothing changed) unless every new slot may become this tree's own.
-                    self._claims.check_claimable(v, commit=True)
+        v = self._leaf_value(ids, value, pos + m, n, row_checked)
         # Nothing has changed so far; from here on the insert cannot fail.
+        return self._commit_insert(path, split_child, m, ids, pos, n, v, priority, chunked, rk.extra_key)
+
+    def _leaf_value(self, ids: list[int], value: torch.Tensor | None, start: int, n: int,
+                    row_checked: bool = False) -> torch.Tensor | None:
+        """The new leaf's own slots (``[start, n)`` of the key), claimed under strict; None when nothing is new."""
+        if start >= n:
+            return None
+        if value is None:
+            return torch.tensor(ids[start:n], dtype=torch.int64, device=self.device)
+        if value.dtype is torch.int64:
+            v = torch.narrow_copy(value, 0, start, n - start)  # one op: ~2x cheaper than slice + clone
+        else:
+            v = value[start:n].to(torch.int64)
+        if self.strict:
+            if row_checked:
+                self._claims.claim(v, checked=False)
+            else:
+                # Refused (nothing changed) unless every new slot may become this tree's own.
+                self._claims.check_claimable(v, commit=True)
+        return v
+
+    def _commit_insert(self, path: list, split_child: TreeNode | None, m: int, ids: list[int], pos: int, n: int,
+                       v: torch.Tensor | None, priority: int | None, chunked: bool, extra_key: str | None,
+                       base: int = 0) -> InsertResult:
+        """The insert's changes once its walk is known: ``path`` (root side first) touched, the split, the new leaf.
+
+        ``ids[pos:n]`` are the key's tokens past ``path`` (``base`` tokens in front of
+        ``ids[0]``: a resumed insert's ids start below its locked node).
+        """
         if priority is None:
             priority = 0
         hit = 0 if chunked else 1
         now = self.clock()
-        node = self.root_node
+        root = node = self.root_node
         node.last_access_time = now
         if priority > node.priority:
             node.priority = priority
@@ -341,15 +365,13 @@ class RadixCache(KVEventLog, BasePrefixCache):
             if priority > node.priority:
                 node.priority = priority
             pos += m
-        prefix_len = pos
+        prefix_len = base + pos
         if v is not None:
-            if pos:
-                ck = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-            else:
-                ck = ids[0] if ps == 1 else tuple(ids[:ps])
-                if rk.extra_key is not None:
-                    ck = (rk.extra_key, ck)
-            leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, rk.extra_key)
+            ps = self.page_size
+            ck: Hashable = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            if node is root and extra_key is not None:
+                ck = (extra_key, ck)
+            leaf = TreeNode(ids[pos:n], v, node, ck, now, priority, extra_key)
             leaf.hit_count = hit
             node.children[ck] = leaf
             self._evictable_size += n - pos
@@ -371,14 +393,16 @@ class RadixCache(KVEventLog, BasePrefixCache):
     def inc_lock_ref(self, node: TreeNode) -> LockResult:
         if self.disable:
             return LockResult(delta=0)
-        path = self._path(node, "inc_lock_ref")
+        return LockResult(delta=self._lock(self._path(node, "inc_lock_ref")))
+
+    def _lock(self, path: list) -> int:
         newly: list = []
         delta = lock_path(path, newly)
         if newly:
             self._evictable_leaves.difference_update(newly)
         self._evictable_size -= delta
         self._protected_size += delta
-        return LockResult(delta=delta)
+        return delta
 
     def dec_lock_ref(self, node: TreeNode, lock: LockResult | None = None) -> LockResult:
         if self.disable:
@@ -466,13 +490,11 @@ class RadixCache(KVEventLog, BasePrefixCache):
             # Two pieces, as SGLang frees them (paged, the tail's page ends up in front).
             aligned = floor_align(committed, self.page_size)
             self.free_kv_row(kv, [(protected, aligned), (aligned, committed)])
+        elif self.resume_finished(req):
+            return  # inserted from the request's locked node (kvcore.tree.resume), lock given back
         else:
             aligned = floor_align(committed, self.page_size)
-            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-            token_ids = req.fill_ids[:aligned]
-            values = row[:aligned].to(torch.int64)
-            result = self.insert(RadixKey(token_ids, req.extra_key), values,
-                                 priority=req.priority)
+            result = self._insert_row(req, RadixKey(req.fill_ids[:aligned], req.extra_key), aligned, False)
             # Duplicates of what the tree already held, then the unaligned tail.
             self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
         self.release_req_lock(req)
@@ -481,17 +503,60 @@ class RadixCache(KVEventLog, BasePrefixCache):
         if self.disable:
             return
         self.check_req(req, "cache_unfinished_req")
+        if self.resume_unfinished(req, chunked):
+            return
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
         aligned = floor_align(committed, self.page_size)
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         key = RadixKey(req.fill_ids[:aligned], req.extra_key)
-        values = row[:aligned].to(torch.int64)
-        result = self.insert(key, values, priority=req.priority, chunked=chunked)
+        result = self._insert_row(req, key, aligned, chunked)
         self.free_kv_row(kv, [(protected, result.prefix_len)])
 
         match = self.match_prefix(key)
         if match.prefix_len != aligned:
             raise AssertionError(f"request {req.rid!r}: re-match found {match.prefix_len} of {aligned} inserted tokens")
         self.rebase_on_match(req, match, committed)
+        self.note_resume_point(req, match.device_indices)
+
+    def _insert_row(self, req: Req, key: RadixKey, aligned: int, chunked: bool) -> InsertResult:
+        """Insert ``key`` (the request's first ``aligned`` tokens) -> its row's slots.
+
+        Under strict the request's own part of the row, ``[cache_protected_len, aligned)``,
+        is checked first as a whole (the row's claim: allocated, not a tree node's, named
+        once, whole pages), before anything changes: it covers the new leaf's slots and
+        the duplicates freed after the insert, so neither can be refused half-way.
+        """
+        kv = req.kv
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(torch.int64)
+        if len(key) != aligned:
+            raise ValueError(f"insert value has {aligned} slots for a key of {len(key)} tokens")
+        protected = kv.cache_protected_len
+        if self.strict and aligned > protected:
+            self._claims.check_claimable(values[protected:], what=f"request {req.rid!r}")
+        return self._insert(key, aligned, values, req.priority, chunked, self.strict)
+
+    # -- the resumed insert's parts (kvcore.tree.resume) ----------------------
+
+    def resume_insert(self, upper: list, ids: list[int], values: torch.Tensor, base: int, priority: int,
+                      chunked: bool) -> tuple[int, Any, bool]:
+        node = upper[-1]
+        n = len(ids)
+        path, pos, split_child, m = descend(node, ids, n, self.page_size)
+        check_token_ids(ids, pos + m, refuse_bools=self.strict)
+        self._last_walk = None
+        v = self._leaf_value(ids, values, pos + m, n, self.strict)  # the row was checked (resume_unfinished)
+        result = self._commit_insert(upper + path, split_child, m, ids, pos, n, v, priority, chunked,
+                                     node.extra_key, base)
+        return result.prefix_len, result.last_device_node, False
+
+    def resume_stamp(self, node: Any) -> None:
+        now = self.clock()
+        root = self.root_node
+        while node is not root:
+            node.last_access_time = now
+            node = node.parent
+        root.last_access_time = now
+
+    def resume_lock(self, nodes: list) -> int:
+        return self._lock(nodes)

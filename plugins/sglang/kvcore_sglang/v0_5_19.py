@@ -357,6 +357,15 @@ class KvRecordView:
     def swa_evicted_seqlen(self, value: int) -> None:
         self.sglang.swa_evicted_seqlen = value
 
+    @property
+    def resume(self) -> None:
+        """No resume point: each call gets a new view, so every chunk takes the whole-prefix path."""
+        return None
+
+    @resume.setter
+    def resume(self, value: Any) -> None:
+        pass
+
     def swa_dead_lo(self, page_size: int) -> int:
         return int(self.sglang.swa_dead_lo(page_size))
 
@@ -398,6 +407,9 @@ class ReqView:
     @property
     def rid(self) -> str:
         return self.sglang.rid
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        return self.fill_ids[start:end]
 
     @property
     def extra_key(self) -> Any:

@@ -33,6 +33,7 @@ from kvcore.tree import (
     EvictOrder,
     KVEventLog,
     Node,
+    ResumableInsert,
     alloc_value,
     check_evict_count,
     check_locked,
@@ -98,9 +99,11 @@ class InsertArgs:
     own_state: bool = False
     # The full-only walk already claimed the new leaf's slots (strict).
     claimed: bool = False
+    # A request's row range holding the value's new slots was checked claimable already (the row's claim).
+    row_checked: bool = False
 
 
-class UnifiedRadixCache(KVEventLog, BasePrefixCache):
+class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
     """SGLang's UnifiedRadixCache; the class is its own ``create_cache`` factory."""
 
     # What the components need of it differs (the swa component's full/window pools): typed loosely.
@@ -483,10 +486,12 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         return pos, node
 
     def _insert_full(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
-                     ins: InsertArgs, rk: RadixKey | None) -> tuple[int, UnifiedNode]:
+                     ins: InsertArgs, rk: RadixKey | None, upper: list[UnifiedNode] | None = None
+                     ) -> tuple[int, UnifiedNode]:
         """``_insert`` of a full-only tree (what most engines run): no per-node component calls.
 
         Nothing consumes the caller's slots, so its duplicates are one range, freed in one call.
+        ``upper``: a resumed insert's locked path (root side first); ``ids`` then start below it.
         """
         root = self.root_node
         t = self._time
@@ -494,7 +499,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         self._time = t + 1.0
         if ins.priority > root.priority:
             root.priority = ins.priority
-        pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value)
+        pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
         prev = ins.prev_prefix_len
         if prev < pos:
             self._free_duplicates(node, value, prev, pos)
@@ -531,16 +536,21 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         return path, pos, ids
 
     def _walk_full(self, ids: list[int], extra_key: str | None, n: int, ins: InsertArgs,
-                   rk: RadixKey | None, value: torch.Tensor) -> tuple[int, UnifiedNode, list[int]]:
+                   rk: RadixKey | None, value: torch.Tensor, upper: list[UnifiedNode] | None = None
+                   ) -> tuple[int, UnifiedNode, list[int]]:
         """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
 
         The last match's walk when it was of the same key (:meth:`_reuse_walk`), else a
         read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
         are validated before anything changes.  Returns the cached length, the node it ends
-        on and the ids to store.
+        on and the ids to store.  With ``upper`` (a resumed insert: its locked path, root
+        side first) the descent starts below it and the walk passes ``upper`` first.
         """
-        reused = self._reuse_walk(rk, n) if rk is not None else None
-        if reused is not None:
+        reused = self._reuse_walk(rk, n) if rk is not None and upper is None else None
+        if upper is not None:
+            path, pos, split_child, m = descend(upper[-1], ids, n, self.page_size)
+            path = upper + path
+        elif reused is not None:
             path, pos, ids = reused
             split_child, m = None, 0
         else:
@@ -548,7 +558,7 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             if rk is not None:
                 self._validate(rk, pos + m)
         self._last_walk = None
-        if self.strict and pos + m < n:
+        if self.strict and pos + m < n and not ins.row_checked:
             # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
             self.token_to_kv_pool_allocator.check_claimable(value[pos + m : n], commit=True)
             ins.claimed = True
@@ -831,16 +841,19 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
                 c.after_cache_req(req, True, None, None)
             return
         self.check_req(req, "cache_finished_req")
+        if is_insert and not self.aux and self.resume_finished(req):
+            return  # inserted from the request's locked node (kvcore.tree.resume), the lock given back
         ids = request_ids(req, committed)
         ins = None
         result = None
         if is_insert:
             ins, eff = self._prepare(req, committed, True)
             aligned = floor_align(min(eff, committed), self.page_size)
-            if self.strict and self.aux and aligned > protected:
-                self.token_to_kv_pool_allocator.check_claimable(
-                    self._row(kv)[protected:aligned].to(torch.int64), what=f"request {req.rid!r}")
             values = self._row(kv)[:aligned].to(torch.int64, copy=True)
+            if self.strict and aligned > protected:
+                # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
+                self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
+                ins.row_checked = True
             if aligned > 0:
                 prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins)
                 result = InsertResult(prefix_len, last, duplicates_freed=True)
@@ -863,6 +876,8 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
         self.check_req(req, "cache_unfinished_req")
+        if not self.aux and self.resume_unfinished(req, chunked):
+            return
         ids = request_ids(req, committed)
         ins, eff = self._prepare(req, committed, False)
         ins.chunked = chunked
@@ -873,10 +888,11 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
             return
         aligned = floor_align(eff, self.page_size)
         protected = kv.cache_protected_len
-        if self.strict and self.aux and aligned > protected:
-            self.token_to_kv_pool_allocator.check_claimable(
-                row[protected:aligned].to(torch.int64), what=f"request {req.rid!r}")
         values = row[:aligned].to(torch.int64, copy=True)
+        if self.strict and aligned > protected:
+            # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
+            self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
+            ins.row_checked = True
         key = RadixKey(ids[:aligned], req.extra_key)
         prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins) if aligned else (0, None)
         m = self.match_prefix(key, cow_mamba=False, req=req)
@@ -904,8 +920,24 @@ class UnifiedRadixCache(KVEventLog, BasePrefixCache):
         kv.cache_protected_len = new_len
         req.last_node = new_node
         req.lock = lock
+        if not self.aux:
+            self.note_resume_point(req, new)
         for c in self.aux:
             c.after_cache_req(req, False, ins, InsertResult(prefix_len, last))
+
+    # -- the resumed insert's parts (kvcore.tree.resume; a full-only tree) -----
+
+    def resume_insert(self, upper: list, ids: list[int], values: torch.Tensor, base: int, priority: int,
+                      chunked: bool) -> tuple[int, Any, bool]:
+        ins = InsertArgs(0, 0, None, chunked, int(priority), row_checked=self.strict)
+        pos, last = self._insert_full(ids, upper[-1].extra_key, len(ids), values, ins, None, upper)
+        return base + pos, last, True
+
+    def resume_stamp(self, node: Any) -> None:
+        self._stamp_path(node)
+
+    def resume_lock(self, nodes: list) -> int:
+        return int(self.full.lock_path(nodes, []))
 
     # ------------------------------------------------------------------ introspection
 

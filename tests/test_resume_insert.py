@@ -1,0 +1,375 @@
+"""The resumed insert of chunked prefill (kvcore.tree.resume) against the whole-prefix path it replaces.
+
+Two caches of one backend run the same random operations in lockstep: on one,
+every ``cache_unfinished_req`` and ``cache_finished_req`` resumes from the
+request's locked node where it can; on the other the record's resume point is
+dropped before each call, so it re-inserts the whole prefix from the root
+(SGLang's path, as before).  Between a
+request's chunks other requests match, split, insert, lock, evict and finish.
+After every operation both must agree on everything observable: the whole tree
+(keys, slots, locks, hit counts, priorities, access and creation times, creation
+order), sizes, the free list and the claimed slots, the KV events, and each
+request's protected length, ``prefix_indices``, lock and node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import kvcore
+from kvcore import InvariantChecker, RadixKey
+from kvcore.record import Req
+
+BACKENDS = ["radix", "unified", "example"]
+
+
+def _make(backend: str, ps: int, policy: str) -> kvcore.BasePrefixCache:
+    opts = {"eviction_policy": policy} if backend == "radix" else {}
+    cache = kvcore.create_cache(backend, size=96 * ps if ps > 1 else 320, page_size=ps, max_num_reqs=6,
+                                max_context_len=200, enable_kv_events=True, **opts)
+    if backend == "radix":
+        cache.clock = itertools.count(1000).__next__  # the same readings on both sides, or a difference
+    return cache
+
+
+def _nodes(cache: kvcore.BasePrefixCache) -> list:
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(x.children.values())
+    return out
+
+
+def _path_key(node) -> tuple:
+    """A node named by its tokens from the root (and namespace): the same node on both sides."""
+    parts = []
+    while node is not None and node.parent is not None:
+        parts.append(tuple(node.key))
+        node = node.parent
+    return tuple(reversed(parts))
+
+
+def _dump(cache) -> list:
+    nodes = _nodes(cache)
+    order = {x.id: i for i, x in enumerate(sorted(nodes, key=lambda x: x.id))}
+    rows = []
+    for x in nodes:
+        rows.append((_path_key(x), str(x.extra_key), tuple(x.value.tolist()), x.lock_ref, x.hit_count,
+                     x.priority, x.last_access_time, x.creation_time, order[x.id]))
+    root = cache.root_node
+    rows.sort(key=repr)
+    return [(root.last_access_time, root.priority)] + rows
+
+
+class Side:
+    def __init__(self, backend: str, ps: int, policy: str, resume: bool):
+        self.cache = _make(backend, ps, policy)
+        self.engine = kvcore.Engine(self.cache)
+        self.resume = resume
+        self.alloc = self.cache.token_to_kv_pool_allocator
+        self.reqs: dict[str, Req] = {}
+        self.locks: list = []
+
+    def lifecycle(self, req: Req, call) -> object:
+        """``call`` (a cache_unfinished_req or cache_finished_req of ``req``), on this side's path."""
+        if not self.resume:
+            req.kv.resume = None  # the whole-prefix path, as before the resumed insert
+        return call()
+
+    def state(self) -> tuple:
+        c = self.cache
+        reqs = []
+        for rid, r in sorted(self.reqs.items()):
+            lock = r.lock
+            reqs.append((rid, r.kv.cache_protected_len, r.kv.kv_committed_len, r.prefix_indices.tolist(),
+                         str(r.prefix_indices.dtype), _path_key(r.last_node) if r.last_node is not None else None,
+                         None if lock is None else (lock.delta, lock.released)))
+        return (_dump(c), c.evictable_size(), c.protected_size(), self.alloc.available_size(),
+                self.alloc.free_slots().tolist(), self.alloc.claimed_slots().tolist(),
+                [repr(e) for e in c.take_events()], reqs)
+
+
+class Pair:
+    def __init__(self, backend: str, ps: int, policy: str, seed: int):
+        self.rng = random.Random(seed)
+        self.ps = ps
+        self.sides = (Side(backend, ps, policy, True), Side(backend, ps, policy, False))
+        rng = self.rng
+        self.bases = [[rng.randrange(2, 7) for _ in range(40 + 6 * ps)] for _ in range(3)]
+        self.n = 0
+        self.log: list[str] = []
+
+    def both(self, what: str, fn) -> list:
+        self.log.append(what)
+        out = [fn(s) for s in self.sides]
+        a, b = (s.state() for s in self.sides)
+        assert a == b, f"after {self.log[-12:]}: resumed and whole-prefix paths differ"
+        assert out[0] == out[1], f"{what}: answers differ: {out}"
+        return out
+
+    def prompt(self) -> list[int]:
+        rng = self.rng
+        base = rng.choice(self.bases)
+        return base[: rng.randrange(0, len(base) + 1)] + [rng.randrange(2, 9) for _ in range(rng.randrange(1, 30))]
+
+    def step(self) -> None:
+        rng, ps = self.rng, self.ps
+        live = sorted(self.sides[0].reqs)
+        op = rng.random()
+        if op < 0.18 and len(live) < 4:
+            self.n += 1
+            rid, ids, extra, prio = f"r{self.n}", self.prompt(), rng.choice([None, None, "t"]), rng.randrange(3)
+
+            def admit(s: Side) -> bool:
+                req = Req(rid, list(ids), extra_key=extra, priority=prio)
+                ok = s.engine.admit(req)
+                if ok:
+                    s.reqs[rid] = req
+                return ok
+            self.both(f"admit {rid}", admit)
+        elif op < 0.50 and live:
+            rid = rng.choice(live)
+            step = rng.choice([0, 1, ps, 2 * ps + 1, 3 * ps, rng.randrange(1, 25)])
+
+            def extend(s: Side) -> tuple:
+                req = s.reqs[rid]
+                end = req.kv.kv_committed_len + step
+                return s.lifecycle(req, lambda: s.engine.extend(req, end)), req.kv.kv_committed_len
+            self.both(f"extend {rid} +{step}", extend)
+        elif op < 0.58 and live:
+            rid = rng.choice(live)
+            tok = rng.randrange(2, 9)
+
+            def decode(s: Side) -> int:
+                req = s.reqs[rid]
+                if req.kv.kv_committed_len < req.seqlen:
+                    return -1
+                n = s.engine.decode([req], [tok])
+                if n:
+                    s.lifecycle(req, lambda: kvcore.cache_unfinished_req(req, s.cache))
+                return n
+            self.both(f"decode {rid}", decode)
+        elif op < 0.66 and live:
+            rid = live[rng.randrange(len(live))]
+
+            def finish(s: Side) -> None:
+                req = s.reqs.pop(rid)
+                s.lifecycle(req, lambda: s.engine.finish(req))
+            self.both(f"finish {rid}", finish)
+        elif op < 0.76:
+            key, extra = self.prompt(), rng.choice([None, "t"])
+
+            def match(s: Side) -> list:
+                return s.cache.match_prefix(RadixKey(list(key), extra)).device_indices.tolist()
+            self.both("match", match)
+        elif op < 0.84:
+            key = self.prompt()
+            n = len(key) - len(key) % ps
+
+            def insert(s: Side) -> int:
+                if n == 0 or s.alloc.available_size() < n:
+                    return -1
+                v = s.alloc.alloc(n)
+                r = s.cache.insert(RadixKey(key[:n]), v)
+                if not r.duplicates_freed:
+                    s.alloc.free(v[: r.prefix_len])
+                return r.prefix_len
+            self.both("insert", insert)
+        elif op < 0.92:
+            k = rng.randrange(0, 6 * ps)
+            self.both(f"evict {k}", lambda s: s.cache.evict(k).num_tokens_evicted)
+        else:
+            key = self.prompt()
+            drop = rng.random() < 0.5
+
+            def lock(s: Side) -> int:
+                if drop and s.locks:
+                    node, lk = s.locks.pop(0)
+                    return s.cache.dec_lock_ref(node, lk).delta
+                node = s.cache.match_prefix(RadixKey(list(key))).last_device_node
+                lk = s.cache.inc_lock_ref(node)
+                s.locks.append((node, lk))
+                return lk.delta
+            self.both("lock", lock)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+        for s in self.sides:
+            InvariantChecker(s.cache).check(list(s.reqs.values()))
+        self.both("finish all", lambda s: [s.lifecycle(req, lambda req=req: s.engine.finish(req))
+                                           for req in [s.reqs.pop(r) for r in sorted(s.reqs)]])
+        self.both("unlock all", lambda s: [s.cache.dec_lock_ref(n, lk).delta for n, lk in s.locks])
+        for s in self.sides:
+            s.locks.clear()
+        # The victims and their order (KV events) show the evictable leaves agree too.
+        self.both("evict all", lambda s: s.cache.evict(10**6).num_tokens_evicted)
+        for s in self.sides:
+            InvariantChecker(s.cache).check([])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_resumed_insert_same_as_whole_prefix(backend: str, ps: int, seed: int) -> None:
+    Pair(backend, ps, "lru", seed).run(160)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "priority", "fifo"])
+def test_resumed_insert_same_as_whole_prefix_policies(policy: str) -> None:
+    Pair("radix", 4, policy, 7).run(160)
+
+
+def _chunked(backend: str, resume: bool, interleave) -> tuple:
+    """A 10-chunk prompt, ``interleave(side, chunk_no)`` between chunks; the state after every chunk."""
+    s = Side(backend, 4, "lru", resume)
+    ids = [2 + (i * 7) % 11 for i in range(160)]
+    req = Req("long", ids)
+    s.reqs["long"] = req
+    assert s.engine.admit(req)
+    states = []
+    for k in range(10):
+        interleave(s, k)
+        s.lifecycle(req, lambda: s.engine.extend(req, req.kv.kv_committed_len + 16))
+        states.append(s.state())
+    s.lifecycle(req, lambda: s.engine.finish(s.reqs.pop("long")))
+    states.append(s.state())
+    InvariantChecker(s.cache).check([])
+    return tuple(states)
+
+
+def _split_and_share(s: Side, k: int) -> None:
+    """Another request's work on and below the running request's path: splits, a shared tail, an eviction."""
+    req = s.reqs["long"]
+    done = req.kv.kv_committed_len
+    if k == 3:
+        s.cache.match_prefix(RadixKey(req.origin_input_ids[: done - 8]))  # splits the locked path
+    if k == 5:
+        n = done + 24
+        v = s.alloc.alloc(n)
+        r = s.cache.insert(RadixKey(req.origin_input_ids[:n]), v)  # inserts the request's next tokens first
+        if not r.duplicates_freed:
+            s.alloc.free(v[: r.prefix_len])
+    if k == 7:
+        s.cache.evict(10**6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_under_interleavings(backend: str) -> None:
+    assert _chunked(backend, True, _split_and_share) == _chunked(backend, False, _split_and_share)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resumed_prefix_indices_are_a_view_with_stable_content(backend: str) -> None:
+    s = Side(backend, 4, "lru", True)
+    req = Req("long", list(range(2, 130)))
+    s.reqs["long"] = req
+    assert s.engine.admit(req)
+    seen = []
+    for _ in range(6):
+        assert s.engine.extend(req, req.kv.kv_committed_len + 16)
+        seen.append((req.prefix_indices, req.prefix_indices.tolist()))
+        assert req.kv.resume is not None and req.kv.resume.length == req.kv.cache_protected_len
+    row = s.cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    assert req.prefix_indices.tolist() == row[: req.kv.kv_committed_len].tolist()
+    for t, content in seen:  # a later chunk never rewrites what an earlier answer showed
+        assert t.tolist() == content and t.dtype == torch.int64
+    s.engine.finish(s.reqs.pop("long"))
+    assert req.kv.resume is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_garbage_row_prefix_is_not_read(backend: str) -> None:
+    """The tree owns ``[0, cache_protected_len)`` of the row: writing there changes neither path's answer."""
+    def garbage(s: Side, k: int) -> None:
+        req = s.reqs["long"]
+        p = req.kv.cache_protected_len
+        if k == 4 and p:
+            s.cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :p] = 7
+
+    a, b = _chunked(backend, True, garbage), _chunked(backend, False, garbage)
+    assert a == b
+
+
+def _moved(resume: bool, move) -> tuple:
+    s = Side("radix", 4, "lru", resume)
+    req = Req("r", list(range(2, 60)))
+    s.reqs["r"] = req
+    assert s.engine.admit(req)
+    for end in (16, 32):
+        s.lifecycle(req, lambda end=end: s.engine.extend(req, end))
+    if resume:
+        rp = req.kv.resume
+        assert rp is not None and rp.node is req.last_node and rp.length == 32
+    move(req)
+    try:
+        s.lifecycle(req, lambda: s.engine.extend(req, 48))
+        err = None
+    except (ValueError, TypeError, AssertionError) as exc:
+        err = (type(exc), str(exc))
+    return err, s.state()
+
+
+def _other_namespace(req: Req) -> None:
+    req.extra_key = "other"
+
+
+def _shorter_protected(req: Req) -> None:
+    req.kv.cache_protected_len = 16
+
+
+@pytest.mark.parametrize("move", [_other_namespace, _shorter_protected])
+def test_fallback_when_the_request_moved(move) -> None:
+    """A resume point that no longer fits the record is not used: the whole-prefix path answers, as before."""
+    assert _moved(True, move) == _moved(False, move)
+
+
+def _garbage_row_setup(backend: str) -> tuple[Side, Req, Req]:
+    """``a`` cached 16 tokens, ``b`` (the same prompt) 24: ``a``'s next 32 hold duplicates [16, 24), new [24, 32)."""
+    s = Side(backend, 4, "lru", True)
+    ids = list(range(2, 60))
+    a, b = Req("a", ids), Req("b", list(ids))
+    s.reqs.update(a=a, b=b)
+    assert s.engine.admit(a) and s.engine.extend(a, 16)
+    assert s.engine.admit(b) and s.engine.extend(b, 24)
+    assert s.engine.extend_slots(a, 32)
+    a.kv.kv_committed_len = 32
+    return s, a, b
+
+
+GARBAGE = {
+    "a tree node's slot among the duplicates": lambda row, brow, free: (20, int(brow[20])),
+    "a free slot in the new part": lambda row, brow, free: (28, int(free[0])),
+    "a slot named twice (duplicate and new part)": lambda row, brow, free: (28, int(row[17])),
+    "the padding slot": lambda row, brow, free: (25, 0),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("resumed", [True, False])
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_a_garbage_row_is_refused_before_anything_changes(backend: str, resumed: bool, kind: str) -> None:
+    """The row's claim: the request's part of its row is checked as a whole before the insert (both paths)."""
+    s, a, b = _garbage_row_setup(backend)
+    r2t = s.cache.req_to_token_pool.req_to_token
+    row, brow = r2t[a.kv.req_pool_idx], r2t[b.kv.req_pool_idx]
+    pos, slot = GARBAGE[kind](row, brow, s.alloc.free_slots())
+    saved = int(row[pos])
+    row[pos] = slot
+    if not resumed:
+        a.kv.resume = None
+    s.state()  # (takes the setup's KV events)
+    before = s.state()
+    with pytest.raises(ValueError, match="request 'a'"):
+        kvcore.cache_unfinished_req(a, s.cache, chunked=True)
+    assert s.state() == before
+    row[pos] = saved
+    kvcore.cache_unfinished_req(a, s.cache, chunked=True)  # the same call with the row put right goes through
+    for rid in ("a", "b"):
+        s.engine.finish(s.reqs.pop(rid))
+    InvariantChecker(s.cache).check([])
