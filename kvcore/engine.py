@@ -228,6 +228,8 @@ class Engine:
         # alloc_extend / alloc_decode (SGLang's batch allocation) are not in the TokenAllocator protocol yet.
         self._alloc: Any = cache.token_to_kv_pool_allocator
         self._page = int(cache.page_size)
+        # A declared capability, fixed for the cache's life: asked once, not on every prefill chunk.
+        self._chunk_cache = cache.is_chunk_cache()
         self._token_pools: list | None = None
         self.kv_writer = kv_writer
         self.cache_prompt = cache_prompt
@@ -527,7 +529,7 @@ class Engine:
         kv = req.kv
         start = kv.kv_allocated_len
         if end > start:
-            if start > 0 and self._cache.is_chunk_cache():
+            if start > 0 and self._chunk_cache:
                 # A chunk cache keeps only the window: free what left it before the next chunk (SGLang).
                 self._cache.free_window_slots([req], [start])
             if not self.extend_slots(req, end):
@@ -592,8 +594,9 @@ class Engine:
         if not kv.is_held:
             return
         cache = self._cache
-        kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len, windowed=cache.windowed)
         if kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
+            # release_kv_cache checks the record on the other path; this one frees through it here.
+            kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len, windowed=cache.windowed)
             self._drop(req)
             return
         release_kv_cache(req, cache, is_insert, speculative=self.speculative)
