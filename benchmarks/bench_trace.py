@@ -159,7 +159,8 @@ def main() -> None:
         out["full"] = full_run(args, trace)
         f = out["full"]
         print(f"full trace ({f['num_requests']:,} requests, {f['prompt_tokens']:,} prompt tokens): "
-              f"command wall {f['command_wall_s']:.1f} s; loop wall {f['wall_s']:.1f} s, backend {f['backend_s']:.1f} s; "
+              f"command wall {f['command_wall_s']:.1f} s; loop wall {f['wall_s']:.1f} s, "
+              f"backend {f['backend_s']:.1f} s; "
               f"hit rate {f['hit_rate']:.1%}; {f['evictions']:,} slots evicted\n  {f['command']}")
     if args.profile_requests:
         out["profile"] = p = profile_run(args, trace)
@@ -168,7 +169,8 @@ def main() -> None:
         print(f"  {'step (cumulative)':<52} {'calls':>9} {'s':>8} {'of backend':>10}")
         for s in p["steps"]:
             print(f"  {s['step']:<52} {s['calls']:>9,} {s['cum_s']:>8.2f} {s['share_of_backend']:>10.1%}")
-        print(f"  {'function (own time; not the loop, not the final check)':<72} {'calls':>9} {'s':>8} {'of backend':>10}")
+        head = "function (own time; not the loop, not the final check)"
+        print(f"  {head:<72} {'calls':>9} {'s':>8} {'of backend':>10}")
         for s in p["top_own_time"]:
             print(f"  {s['function'][:72]:<72} {s['calls']:>9,} {s['own_s']:>8.2f} {s['share_of_backend']:>10.1%}")
     if args.json:
