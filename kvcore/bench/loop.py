@@ -158,7 +158,8 @@ class Job:
     decode rounds so far), so per-token bookkeeping is written into the record lazily (``_sync``) before
     anyone reads it; it finishes at decode round ``end_round``."""
 
-    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "round_offset", "end_round", "gen", "computed")
+    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "round_offset", "end_round", "gen", "computed",
+                 "row")
 
     def __init__(self, spec: RequestSpec, seq: int):
         self.spec = spec
@@ -170,6 +171,7 @@ class Job:
         self.end_round = 0
         self.gen = 0  # bumped when the job leaves the running set; stale heap entries are skipped
         self.computed = 0  # positions whose KV was computed so far (prefilled again after a recompute retraction)
+        self.row = 0  # the record's req_to_token row while it decodes (set by join; the batch tensors read it)
 
     @property
     def req(self) -> Req:
@@ -450,6 +452,9 @@ class ServingLoop:
         """``job`` (prefilled, pre-built or resumed) decodes from the next round on."""
         kv = job.req.kv
         g = self.decode_round
+        row = kv.req_pool_idx
+        assert row is not None, f"request {job.spec.rid!r} joins the decode batch without a row"
+        job.row = row
         job.round_offset = kv.kv_allocated_len - g
         job.end_round = g + job.spec.output_len - len(job.req.output_ids)
         self.running.append(job)
@@ -753,7 +758,7 @@ class _BatchTensors:
             # array('q') then a tensor over its buffer: a third of torch.tensor(list)'s cost, and the batch
             # is rebuilt after every join and leave.  (The tensor keeps the array alive.)
             offsets_cpu = torch.frombuffer(array("q", [j.round_offset for j in running]), dtype=torch.int64)
-            rows_cpu = torch.frombuffer(array("q", [j.req.kv.req_pool_idx for j in running]), dtype=torch.int64)
+            rows_cpu = torch.frombuffer(array("q", [j.row for j in running]), dtype=torch.int64)
             self._rows = rows_cpu.to(self.device)
             self._offsets_cpu = offsets_cpu
             self._offsets = offsets_cpu.to(self.device)
