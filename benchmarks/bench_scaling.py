@@ -21,9 +21,10 @@ side by side, in one process:
   run the allocators' free lists are compared with SGLang's (``same_victims``): equal free
   lists mean the same victims, evicted in the same order.
 
-Every figure is the best of ``--repeat`` runs (this process's CPU time, ``--clock wall``
-for elapsed time; the runs of the caches alternate).  ``--max-len`` / ``--max-leaves`` drop larger sizes (512K tokens
-through SGLang takes a while); ``--no-sglang`` runs kvcore alone.
+Every figure is the best of ``--repeat`` runs (more, up to 8, for sizes far below the
+largest, whose runs are short), in this process's CPU time (``--clock wall`` for elapsed
+time); the runs of the caches alternate.  ``--max-len`` / ``--max-leaves`` drop larger sizes
+(512K tokens through SGLang takes a while); ``--no-sglang`` runs kvcore alone.
 
     python benchmarks/bench_scaling.py --sglang-src /tmp/kvcore-ci-sglang-0.5.19/src --json --plot scaling.png
     python benchmarks/bench_scaling.py --max-len 131072 --max-leaves 30000     # quicker
@@ -214,7 +215,7 @@ def measure(args: argparse.Namespace) -> dict:
         evict_run(name, 100)
     for n in lens:
         best = {name: float("inf") for name in names}
-        for _ in range(args.repeat):  # the caches alternate: a noisy machine hits all of them alike
+        for _ in range(_repeats(args.repeat, n, max(lens))):  # the caches alternate: noise hits all alike
             for name in names:
                 best[name] = min(best[name], prompt_run(name, n))
         for name in names:
@@ -223,7 +224,7 @@ def measure(args: argparse.Namespace) -> dict:
     for n in sizes:
         best = {name: float("inf") for name in names}
         free: dict[str, list[int]] = {}
-        for _ in range(args.repeat):
+        for _ in range(_repeats(args.repeat, n, max(sizes))):
             for name in names:
                 sec, free[name] = evict_run(name, n)
                 best[name] = min(best[name], sec)
@@ -239,6 +240,11 @@ def measure(args: argparse.Namespace) -> dict:
         what: {b: {size: out[what]["sglang"][size] / t for size, t in out[what][b].items()} for b in backends}
         for what in ("prompt_ns_per_token", "evict_ms_per_call")} if sg is not None else {}
     return out
+
+
+def _repeats(repeat: int, size: int, largest: int) -> int:
+    """``repeat`` runs, and more (up to 8) for the sizes far below the largest: their runs are short and noisy."""
+    return max(repeat, min(8, largest // (4 * size)))
 
 
 def _growth(per: dict[str, float]) -> float | None:
