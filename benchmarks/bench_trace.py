@@ -8,10 +8,13 @@ Two parts, each optional:
   end to end (trace reading, the loop, the infinite-cache hit rate, the final checks), with the
   loop's own ``wall_s`` / ``backend_s`` and the hit rate from its JSON.
 * **profile** (``--profile-requests N``, default 3000; 0 skips it): the first N requests of the
-  same trace through the same loop (``kvcore.bench.plan.plan_bench`` from the same options,
+  same trace (or N from the K-th on, ``--profile-from K``: eviction starts only once the 8M
+  slots fill, after about 3,000 requests) through the same loop (``kvcore.bench.plan.plan_bench`` from the same options,
   then ``ServingLoop.run``) under ``cProfile``.  Reported: the loop's backend time, the share of
   it spent in the protocol's steps (cumulative: ``cache_unfinished_req``, ``release_kv_cache``,
-  the match, eviction, allocation) and the functions with the most time of their own.  cProfile
+  the match, eviction, allocation) and the functions with the most time of their own (the
+  scheduler's and the end-of-run checker's Python functions left out; C functions such as
+  ``Tensor.nonzero`` that the checker calls once over all 8M slots still show).  cProfile
   inflates functions that make many small calls, so shares are indicative; compare runs of
   this script with each other.
 
@@ -93,18 +96,25 @@ def profile_run(args: argparse.Namespace, trace: str) -> dict[str, Any]:
     from kvcore.bench.options import BenchOptions
     from kvcore.bench.plan import plan_bench
 
+    skip = args.profile_from
     opts = BenchOptions(backend=[args.backend], trace=trace, size=args.size, no_reference=True,
-                        num_requests=args.profile_requests)
+                        num_requests=skip + args.profile_requests)
     plan = plan_bench(opts)
     loop = ServingLoop(plan.bench_config(plan.run_names[0]), plan.workload)
     prof = cProfile.Profile()
-    t = time.perf_counter()
-    prof.enable()
-    result = loop.run()
+    start = {"t": 0.0, "backend": 0.0, "on": False}
+
+    def begin(done: int, _total: int) -> None:
+        # The loop reports progress every 64 steps: the profile starts once `skip` requests finished.
+        if not start["on"] and done >= skip:
+            start.update(t=time.perf_counter(), backend=loop.engine_time.seconds, on=True)
+            prof.enable()
+
+    result = loop.run(begin)
     prof.disable()
-    wall = time.perf_counter() - t
+    wall = time.perf_counter() - start["t"]
     stats = pstats.Stats(prof)
-    backend = loop.engine_time.seconds
+    backend = loop.engine_time.seconds - start["backend"]
     rows = stats.stats  # type: ignore[attr-defined]  # {(file, line, func): (cc, nc, tt, ct, callers)}
 
     def cum(name: str, where: str) -> tuple[float, int]:
@@ -127,7 +137,8 @@ def profile_run(args: argparse.Namespace, trace: str) -> dict[str, Any]:
            for tt, nc, path, line, func in own]
     if args.pstats:
         stats.dump_stats(args.pstats)
-    return {"requests": args.profile_requests, "profiled_wall_s": wall, "profiled_backend_s": backend,
+    return {"requests": args.profile_requests, "from_request": skip, "profiled_wall_s": wall,
+            "profiled_backend_s": backend,
             "hit_rate": result.cached_tokens / result.prompt_tokens if result.prompt_tokens else 0.0,
             "evicted_slots": result.evictions,
             "steps": steps, "top_own_time": top}
@@ -148,6 +159,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=8388608, help="token slots (default 8M)")
     ap.add_argument("--no-full", action="store_true", help="skip the full-trace wall-time run")
     ap.add_argument("--profile-requests", type=int, default=3000, help="requests to profile (0: no profile)")
+    ap.add_argument("--profile-from", type=int, default=0, metavar="K",
+                    help="profile from the K-th finished request on (the first K run unprofiled; eviction starts "
+                         "only once the slots fill)")
     ap.add_argument("--top", type=int, default=15, help="functions listed by own time")
     ap.add_argument("--pstats", default=None, metavar="FILE", help="also dump the raw profile (pstats format)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
@@ -164,8 +178,8 @@ def main() -> None:
               f"hit rate {f['hit_rate']:.1%}; {f['evictions']:,} slots evicted\n  {f['command']}")
     if args.profile_requests:
         out["profile"] = p = profile_run(args, trace)
-        print(f"\nprofile of the first {p['requests']:,} requests (cProfile on): wall {p['profiled_wall_s']:.1f} s, "
-              f"backend {p['profiled_backend_s']:.1f} s")
+        print(f"\nprofile of {p['requests']:,} requests from request {p['from_request']:,} (cProfile on): "
+              f"wall {p['profiled_wall_s']:.1f} s, backend {p['profiled_backend_s']:.1f} s")
         print(f"  {'step (cumulative)':<52} {'calls':>9} {'s':>8} {'of backend':>10}")
         for s in p["steps"]:
             print(f"  {s['step']:<52} {s['calls']:>9,} {s['cum_s']:>8.2f} {s['share_of_backend']:>10.1%}")
