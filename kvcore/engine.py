@@ -228,8 +228,6 @@ class Engine:
         # alloc_extend / alloc_decode (SGLang's batch allocation) are not in the TokenAllocator protocol yet.
         self._alloc: Any = cache.token_to_kv_pool_allocator
         self._page = int(cache.page_size)
-        # A declared capability, fixed for the cache's life: asked once, not on every prefill chunk.
-        self._chunk_cache = cache.is_chunk_cache()
         self._token_pools: list | None = None
         self.kv_writer = kv_writer
         self.cache_prompt = cache_prompt
@@ -529,7 +527,7 @@ class Engine:
         kv = req.kv
         start = kv.kv_allocated_len
         if end > start:
-            if start > 0 and self._chunk_cache:
+            if start > 0 and self._cache.is_chunk_cache():
                 # A chunk cache keeps only the window: free what left it before the next chunk (SGLang).
                 self._cache.free_window_slots([req], [start])
             if not self.extend_slots(req, end):
