@@ -4,7 +4,8 @@
 Each round runs the run ``kvcore bench --backend B --no-reference`` makes (plus options
 after ``--`` as ``FIELD=VALUE`` of ``kvcore.bench.options.BenchOptions``, e.g.
 ``workload=multi-turn page_size=16``; the same ``plan_bench`` and ``ServingLoop``) in a fresh
-process per checkout, the checkouts alternating so that a noisy machine hits both alike;
+process per checkout, the checkouts alternating (ABBA: which side runs first swaps every
+round) so that a noisy machine hits both alike;
 a process runs the loop ``--runs`` times and keeps its best.  Kept per run: the loop's
 ``wall_s`` and ``backend_s`` (the time inside the engine) and the process CPU time of
 ``ServingLoop.run`` (``cpu_s``: what a shared machine disturbs least).  Every other figure of
@@ -99,8 +100,10 @@ def main() -> None:
     rows = []
     for backend in args.backends.split(","):
         got: dict[str, list[dict]] = {"before": [], "after": []}
-        for _ in range(args.rounds):
-            for side, root in (("before", args.compare[0]), ("after", args.compare[1])):
+        sides = [("before", args.compare[0]), ("after", args.compare[1])]
+        for i in range(args.rounds):
+            # ABBA: the side that runs first swaps every round, so an order effect cancels out.
+            for side, root in sides if i % 2 == 0 else sides[::-1]:
                 got[side].append(run_side(root, backend, args.runs, args.extra))
         ref = fixed_part(got["before"][0])
         same = all(fixed_part(r) == ref for side in got.values() for r in side)
