@@ -592,8 +592,9 @@ class Engine:
         if not kv.is_held:
             return
         cache = self._cache
-        kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len, windowed=cache.windowed)
         if kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
+            # release_kv_cache checks the record on the other path; this one frees through it here.
+            kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len, windowed=cache.windowed)
             self._drop(req)
             return
         release_kv_cache(req, cache, is_insert, speculative=self.speculative)

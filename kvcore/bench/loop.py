@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -158,7 +159,8 @@ class Job:
     decode rounds so far), so per-token bookkeeping is written into the record lazily (``_sync``) before
     anyone reads it; it finishes at decode round ``end_round``."""
 
-    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "round_offset", "end_round", "gen", "computed")
+    __slots__ = ("spec", "_req", "seq", "prefix_len", "admitted", "round_offset", "end_round", "gen", "computed",
+                 "row")
 
     def __init__(self, spec: RequestSpec, seq: int):
         self.spec = spec
@@ -170,6 +172,7 @@ class Job:
         self.end_round = 0
         self.gen = 0  # bumped when the job leaves the running set; stale heap entries are skipped
         self.computed = 0  # positions whose KV was computed so far (prefilled again after a recompute retraction)
+        self.row = 0  # the record's req_to_token row while it decodes (set by join; the batch tensors read it)
 
     @property
     def req(self) -> Req:
@@ -450,6 +453,9 @@ class ServingLoop:
         """``job`` (prefilled, pre-built or resumed) decodes from the next round on."""
         kv = job.req.kv
         g = self.decode_round
+        row = kv.req_pool_idx
+        assert row is not None, f"request {job.spec.rid!r} joins the decode batch without a row"
+        job.row = row
         job.round_offset = kv.kv_allocated_len - g
         job.end_round = g + job.spec.output_len - len(job.req.output_ids)
         self.running.append(job)
@@ -545,6 +551,7 @@ class ServingLoop:
         if self.lock_heap and self.lock_heap[0][0] <= self.decode_round:
             self._release_window_locks()
         engine = self.engine
+        paged = self.page_size > 1
         while True:
             n = len(self.running)
             if n == 0:
@@ -554,8 +561,10 @@ class ServingLoop:
             writer = engine.kv_writer
             if self.sparse is not None:
                 engine.kv_writer = None
+            # The CPU lengths matter only above page size 1 (which pages are full): one tensor op a step less.
+            cpu_lens = off_cpu + self.decode_round if paged else None
             with self.engine_time:
-                slots = engine.alloc_decode(rows_t, off_t + self.decode_round, off_cpu + self.decode_round)
+                slots = engine.alloc_decode(rows_t, off_t + self.decode_round, cpu_lens)
             engine.kv_writer = writer
             if slots is not None:
                 break
@@ -747,9 +756,11 @@ class _BatchTensors:
     def tensors(self, running: list[Job]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows on the device, round offsets on the device, round offsets on the CPU)."""
         if self.stale or self._rows is None or self._offsets is None or self._offsets_cpu is None:
-            offsets_cpu = torch.tensor([j.round_offset for j in running], dtype=torch.int64)
-            self._rows = torch.tensor([j.req.kv.req_pool_idx for j in running], dtype=torch.int64,
-                                      device=self.device)
+            # array('q') then a tensor over its buffer: a third of torch.tensor(list)'s cost, and the batch
+            # is rebuilt after every join and leave.  (The tensor keeps the array alive.)
+            offsets_cpu = torch.frombuffer(array("q", [j.round_offset for j in running]), dtype=torch.int64)
+            rows_cpu = torch.frombuffer(array("q", [j.row for j in running]), dtype=torch.int64)
+            self._rows = rows_cpu.to(self.device)
             self._offsets_cpu = offsets_cpu
             self._offsets = offsets_cpu.to(self.device)
             self.stale = False
