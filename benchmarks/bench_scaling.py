@@ -257,7 +257,7 @@ def _growth(per: dict[str, float]) -> float | None:
 
 def _progress(args: argparse.Namespace, what: str, n: int, figures: dict[str, float], unit: str) -> None:
     if not args.quiet:
-        print(f"bench_scaling: {what} {n}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()) + f" {unit}",
+        print(f"bench_scaling: {what} {n}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()) + f" {unit}",
               file=sys.stderr, flush=True)
 
 
@@ -273,7 +273,7 @@ def print_table(result: dict) -> None:
         print(f"{what} ({unit}; speedup = SGLang's time / the backend's)")
         print(head)
         for s in sizes:
-            print(f"{s:>8} " + " ".join(f"{per[n].get(s, float('nan')):>10.1f}" for n in names)
+            print(f"{s:>8} " + " ".join(f"{per[n].get(s, float('nan')):>10.4g}" for n in names)
                   + "".join(f" {sp[b][s]:>14.2f}x" for b in sp))
         print(f"{'growth':>8} " + " ".join(f"{(result['growth'][what][n] or 0):>9.2f}x" for n in names))
         if what == "evict_ms_per_call" and result.get("same_victims"):
