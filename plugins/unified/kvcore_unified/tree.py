@@ -419,6 +419,9 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if value.shape[0] != n:
             value = value[:n]
         ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority)
+        if not self.aux:
+            prefix_len, last = self._insert_full(ids, rk.extra_key, n, value, ins, rk)
+            return InsertResult(prefix_len, last, True, False)
         for c in self.aux:
             c.check_insert(n, ins)
         if self.strict and self.aux:
@@ -492,6 +495,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
         Nothing consumes the caller's slots, so its duplicates are one range, freed in one call.
         ``upper``: a resumed insert's locked path (root side first); ``ids`` then start below it.
+        The clock reads as the general walk's: one tick for the root, one per node passed,
+        two for a new leaf (access, creation).
         """
         root = self.root_node
         t = self._time
@@ -505,10 +510,34 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
         if pos < n:
-            # The new leaf's own copy of its slots (one op: cheaper than slice + clone).
-            node = self.add_leaf(node, ids[pos:n], extra_key, torch.narrow_copy(value, 0, pos, n - pos),
-                                 ins.priority, claimed=ins.claimed, own=True)
+            node = self._add_full_leaf(node, ids[pos:n], extra_key, torch.narrow_copy(value, 0, pos, n - pos),
+                                       ins.priority, ins.claimed)
         return pos, node
+
+    def _add_full_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
+                       priority: int, claimed: bool) -> UnifiedNode:
+        """``add_leaf`` of a full-only tree: ``value`` is the caller's fresh copy; no component fields,
+        and a new, unlocked node without children is a leaf."""
+        self._last_walk = None
+        ps = self.page_size
+        page = key[0] if ps == 1 else tuple(key[:ps])
+        ck = (extra_key, page) if extra_key is not None and parent is self.root_node else page
+        node = UnifiedNode(key, value, parent, ck, extra_key)
+        t = self._time
+        node.last_access_time = t
+        node.creation_time = t + 1.0
+        self._time = t + 2.0
+        node.priority = priority
+        if self.strict and not claimed:
+            self.token_to_kv_pool_allocator.claim(value, checked=False)
+        parent.children[ck] = node
+        self.full.added(node)
+        leaves = self.leaves
+        leaves.add(node)
+        leaves.discard(parent)  # it has a child now
+        if self.enable_kv_events:
+            record_stored(self._events, node, ps)
+        return node
 
     def _reuse_walk(self, rk: RadixKey, n: int) -> tuple | None:
         """The last full-only ``match_prefix`` walk when ``rk`` holds the same first ``n`` ids (and namespace).
