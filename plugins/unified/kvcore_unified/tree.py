@@ -504,14 +504,13 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._time = t + 1.0
         if ins.priority > root.priority:
             root.priority = ins.priority
-        pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
+        pos, node, ids, leaf_value = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
         prev = ins.prev_prefix_len
         if prev < pos:
             self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
-        if pos < n:
-            node = self._add_full_leaf(node, ids[pos:n], extra_key, torch.narrow_copy(value, 0, pos, n - pos),
-                                       ins.priority, ins.claimed)
+        if leaf_value is not None:
+            node = self._add_full_leaf(node, ids[pos:n], extra_key, leaf_value, ins.priority, ins.claimed)
         return pos, node
 
     def _add_full_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
@@ -566,13 +565,14 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def _walk_full(self, ids: list[int], extra_key: str | None, n: int, ins: InsertArgs,
                    rk: RadixKey | None, value: torch.Tensor, upper: list[UnifiedNode] | None = None
-                   ) -> tuple[int, UnifiedNode, list[int]]:
+                   ) -> tuple[int, UnifiedNode, list[int], torch.Tensor | None]:
         """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
 
         The last match's walk when it was of the same key (:meth:`_reuse_walk`), else a
         read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
         are validated before anything changes.  Returns the cached length, the node it ends
-        on and the ids to store.  With ``upper`` (a resumed insert: its locked path, root
+        on, the ids to store and the new leaf's own copy of its slots (None: nothing new; under
+        strict already claimed unless the row was checked).  With ``upper`` (a resumed insert: its locked path, root
         side first) the descent starts below it and the walk passes ``upper`` first.
         """
         reused = self._reuse_walk(rk, n) if rk is not None and upper is None else None
@@ -587,10 +587,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             if rk is not None:
                 self._validate(rk, pos + m)
         self._last_walk = None
-        if self.strict and pos + m < n and not ins.row_checked:
-            # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
-            self.token_to_kv_pool_allocator.check_claimable(value[pos + m : n], commit=True)
-            ins.claimed = True
+        start = pos + m
+        leaf_value = None
+        if start < n:
+            # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
+            leaf_value = torch.narrow_copy(value, 0, start, n - start)
+            if self.strict and not ins.row_checked:
+                # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
+                self.token_to_kv_pool_allocator.check_claimable(leaf_value, commit=True)
+                ins.claimed = True
         prio = ins.priority
         hit = 0 if ins.chunked else 1
         t = self._time
@@ -609,7 +614,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
                 node.priority = prio
             node.hit_count += hit
             pos += m
-        return pos, node, ids
+        return pos, node, ids, leaf_value
 
     def _free_duplicates(self, last: UnifiedNode, value: torch.Tensor, prev: int, pos: int) -> None:
         """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
