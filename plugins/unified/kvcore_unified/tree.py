@@ -510,33 +510,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
         if leaf_value is not None:
-            node = self._add_full_leaf(node, ids[pos:n], extra_key, leaf_value, ins.priority, ins.claimed)
+            node = self.add_leaf(node, ids[pos:n], extra_key, leaf_value, ins.priority, ins.claimed, own=True)
         return pos, node
-
-    def _add_full_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
-                       priority: int, claimed: bool) -> UnifiedNode:
-        """``add_leaf`` of a full-only tree: ``value`` is the caller's fresh copy; no component fields,
-        and a new, unlocked node without children is a leaf."""
-        self._last_walk = None
-        ps = self.page_size
-        page = key[0] if ps == 1 else tuple(key[:ps])
-        ck = (extra_key, page) if extra_key is not None and parent is self.root_node else page
-        node = UnifiedNode(key, value, parent, ck, extra_key)
-        t = self._time
-        node.last_access_time = t
-        node.creation_time = t + 1.0
-        self._time = t + 2.0
-        node.priority = priority
-        if self.strict and not claimed:
-            self.token_to_kv_pool_allocator.claim(value, checked=False)
-        parent.children[ck] = node
-        self.full.added(node)
-        leaves = self.leaves
-        leaves.add(node)
-        leaves.discard(parent)  # it has a child now
-        if self.enable_kv_events:
-            record_stored(self._events, node, ps)
-        return node
 
     def _reuse_walk(self, rk: RadixKey, n: int) -> tuple | None:
         """The last full-only ``match_prefix`` walk when ``rk`` holds the same first ``n`` ids (and namespace).
@@ -641,24 +616,32 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
-        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is."""
+        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is.
+
+        Built in one constructor call, with :meth:`new_node`'s two ticks (access, creation).
+        """
         self._last_walk = None
-        node = self.new_node(priority)
-        node.parent = parent
-        node.key = key
-        node.extra_key = extra_key
-        node.value = value if own else value.clone()
+        ps = self.page_size
+        page = key[0] if ps == 1 else tuple(key[:ps])
+        ck = (extra_key, page) if extra_key is not None and parent is self.root_node else page
+        node = UnifiedNode(key, value if own else value.clone(), parent, ck, extra_key)
+        t = self._time
+        node.last_access_time = t
+        node.creation_time = t + 1.0
+        self._time = t + 2.0
+        node.priority = priority
+        for k, v in self._node_fields.items():
+            setattr(node, k, v)
         if self.strict and not claimed:
             self.token_to_kv_pool_allocator.claim(node.value, checked=False)
-        ps = self.page_size
-        node.ck = child_key(key, 0, ps, extra_key if parent is self.root_node else None)
-        parent.children[node.ck] = node
+        parent.children[ck] = node
         self.full.added(node)
+        leaves = self.leaves
         if self.aux:
             self.update_leaf(node)
         else:
-            self.leaves.add(node)  # full-only: a new, unlocked node without children is a leaf
-        self.leaves.discard(parent)  # it has a child now
+            leaves.add(node)  # full-only: a new, unlocked node without children is a leaf
+        leaves.discard(parent)  # it has a child now
         if self.enable_kv_events:
             record_stored(self._events, node, ps)
         return node
