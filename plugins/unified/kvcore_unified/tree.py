@@ -419,6 +419,9 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if value.shape[0] != n:
             value = value[:n]
         ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority)
+        if not self.aux:
+            prefix_len, last = self._insert_full(ids, rk.extra_key, n, value, ins, rk)
+            return InsertResult(prefix_len, last, True, False)
         for c in self.aux:
             c.check_insert(n, ins)
         if self.strict and self.aux:
@@ -492,6 +495,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
         Nothing consumes the caller's slots, so its duplicates are one range, freed in one call.
         ``upper``: a resumed insert's locked path (root side first); ``ids`` then start below it.
+        The clock reads as the general walk's: one tick for the root, one per node passed,
+        two for a new leaf (access, creation).
         """
         root = self.root_node
         t = self._time
@@ -499,15 +504,13 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._time = t + 1.0
         if ins.priority > root.priority:
             root.priority = ins.priority
-        pos, node, ids = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
+        pos, node, ids, leaf_value = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
         prev = ins.prev_prefix_len
         if prev < pos:
             self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
-        if pos < n:
-            # The new leaf's own copy of its slots (one op: cheaper than slice + clone).
-            node = self.add_leaf(node, ids[pos:n], extra_key, torch.narrow_copy(value, 0, pos, n - pos),
-                                 ins.priority, claimed=ins.claimed, own=True)
+        if leaf_value is not None:
+            node = self.add_leaf(node, ids[pos:n], extra_key, leaf_value, ins.priority, ins.claimed, own=True)
         return pos, node
 
     def _reuse_walk(self, rk: RadixKey, n: int) -> tuple | None:
@@ -537,13 +540,14 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def _walk_full(self, ids: list[int], extra_key: str | None, n: int, ins: InsertArgs,
                    rk: RadixKey | None, value: torch.Tensor, upper: list[UnifiedNode] | None = None
-                   ) -> tuple[int, UnifiedNode, list[int]]:
+                   ) -> tuple[int, UnifiedNode, list[int], torch.Tensor | None]:
         """The insert walk of a full-only tree: touch, split, priority and hits, as the general walk does.
 
         The last match's walk when it was of the same key (:meth:`_reuse_walk`), else a
         read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
         are validated before anything changes.  Returns the cached length, the node it ends
-        on and the ids to store.  With ``upper`` (a resumed insert: its locked path, root
+        on, the ids to store and the new leaf's own copy of its slots (None: nothing new; under
+        strict already claimed unless the row was checked).  With ``upper`` (a resumed insert: its locked path, root
         side first) the descent starts below it and the walk passes ``upper`` first.
         """
         reused = self._reuse_walk(rk, n) if rk is not None and upper is None else None
@@ -558,10 +562,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             if rk is not None:
                 self._validate(rk, pos + m)
         self._last_walk = None
-        if self.strict and pos + m < n and not ins.row_checked:
-            # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
-            self.token_to_kv_pool_allocator.check_claimable(value[pos + m : n], commit=True)
-            ins.claimed = True
+        start = pos + m
+        leaf_value = None
+        if start < n:
+            # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
+            leaf_value = torch.narrow_copy(value, 0, start, n - start)
+            if self.strict and not ins.row_checked:
+                # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
+                self.token_to_kv_pool_allocator.check_claimable(leaf_value, commit=True)
+                ins.claimed = True
         prio = ins.priority
         hit = 0 if ins.chunked else 1
         t = self._time
@@ -580,7 +589,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
                 node.priority = prio
             node.hit_count += hit
             pos += m
-        return pos, node, ids
+        return pos, node, ids, leaf_value
 
     def _free_duplicates(self, last: UnifiedNode, value: torch.Tensor, prev: int, pos: int) -> None:
         """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
@@ -607,24 +616,32 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
-        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is."""
+        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is.
+
+        Built in one constructor call, with :meth:`new_node`'s two ticks (access, creation).
+        """
         self._last_walk = None
-        node = self.new_node(priority)
-        node.parent = parent
-        node.key = key
-        node.extra_key = extra_key
-        node.value = value if own else value.clone()
+        ps = self.page_size
+        page = key[0] if ps == 1 else tuple(key[:ps])
+        ck = (extra_key, page) if extra_key is not None and parent is self.root_node else page
+        node = UnifiedNode(key, value if own else value.clone(), parent, ck, extra_key)
+        t = self._time
+        node.last_access_time = t
+        node.creation_time = t + 1.0
+        self._time = t + 2.0
+        node.priority = priority
+        for k, v in self._node_fields.items():
+            setattr(node, k, v)
         if self.strict and not claimed:
             self.token_to_kv_pool_allocator.claim(node.value, checked=False)
-        ps = self.page_size
-        node.ck = child_key(key, 0, ps, extra_key if parent is self.root_node else None)
-        parent.children[node.ck] = node
+        parent.children[ck] = node
         self.full.added(node)
+        leaves = self.leaves
         if self.aux:
             self.update_leaf(node)
         else:
-            self.leaves.add(node)  # full-only: a new, unlocked node without children is a leaf
-        self.leaves.discard(parent)  # it has a child now
+            leaves.add(node)  # full-only: a new, unlocked node without children is a leaf
+        leaves.discard(parent)  # it has a child now
         if self.enable_kv_events:
             record_stored(self._events, node, ps)
         return node
