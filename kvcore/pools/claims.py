@@ -82,6 +82,13 @@ class SlotOwnership:
             self.owner_map()
         owned = self._owned
         ops = self.pages.ops
+        a0 = ops.run_start(s)
+        if a0 >= 0 and self._run_claimable(a0, k):
+            if commit:
+                owned[a0 : a0 + k] = 1
+            return
+        # The general path: also where a run that is not claimable raises, so every refusal
+        # reads the same whichever path found it.
         if k > len(owned) or ops.any_outside(s, 0, len(owned)):
             self._raise_unclaimable(s, what)
         if ops.count_nonzero(owned[s]) or ops.count_nonzero(self.pages.free[self.pages.page_ids(s)]):
@@ -99,6 +106,18 @@ class SlotOwnership:
                 f"{what}: the slots do not make whole pages of {p} in order (a value straddling pages would "
                 "leave a node half of each page); a paged cache keeps the pages alloc_extend hands out"
             )
+
+    def _run_claimable(self, a0: int, k: int) -> bool:
+        """Whether the run ``[a0, a0 + k)`` may be claimed whole: in range, whole pages in order
+        (a run is in order), no page free, no slot claimed (a run names each slot once).
+        Slices, not gathers: the cost is a memset-sized pass per map."""
+        pages = self.pages
+        p = pages.page_size
+        if a0 < p or a0 + k > len(self._owned) or (p > 1 and (a0 % p or k % p)):
+            return False
+        first, last = pages.page_ids(a0), pages.page_ids(a0 + k - 1)
+        ops = pages.ops
+        return not ops.count_nonzero(self._owned[a0 : a0 + k]) and not ops.count_nonzero(pages.free[first : last + 1])
 
     def _raise_unclaimable(self, s: Array, what: str) -> NoReturn:
         p = self.pages.page_size
@@ -127,7 +146,11 @@ class SlotOwnership:
             return  # nothing was ever claimed (``strict=False``, or no tree on this pool)
         ops = self.pages.ops
         p = self.pages.page_size
-        if ops.any_outside(s, p, len(owned)):
+        a0 = ops.run_start(s)
+        if a0 >= p and a0 + len(s) <= len(owned):
+            if not ops.count_nonzero(owned[a0 : a0 + len(s)]):
+                return  # a run in range, none of it claimed: one slice, no gather
+        elif ops.any_outside(s, p, len(owned)):
             s = s[(s >= p) & (s < len(owned))]
         taken = owned[s] != 0
         if bool(taken.any()):
@@ -146,7 +169,12 @@ class SlotOwnership:
         if owned is None or len(s) == 0:
             return
         p = self.pages.page_size
-        if self.pages.ops.any_outside(s, p, len(owned)):
+        ops = self.pages.ops
+        a0 = ops.run_start(s)
+        if a0 >= p and a0 + len(s) <= len(owned):
+            owned[a0 : a0 + len(s)] = 0  # a run in range: a slice fill, no scatter
+            return
+        if ops.any_outside(s, p, len(owned)):
             s = s[(s >= p) & (s < len(owned))]
         owned[s] = 0
 
