@@ -87,8 +87,10 @@ class SlotOwnership:
             if commit:
                 owned[a0 : a0 + k] = 1
             return
-        # The general path: also where a run that is not claimable raises, so every refusal
-        # reads the same whichever path found it.
+        if a0 < 0 and self.pages.page_size > 1 and self._pages_claimable(s, commit):
+            return
+        # The general path: also where a run or pages that are not claimable raise, so every
+        # refusal reads the same whichever path found it.
         if k > len(owned) or ops.any_outside(s, 0, len(owned)):
             self._raise_unclaimable(s, what)
         if ops.count_nonzero(owned[s]) or ops.count_nonzero(self.pages.free[self.pages.page_ids(s)]):
@@ -118,6 +120,32 @@ class SlotOwnership:
         first, last = pages.page_ids(a0), pages.page_ids(a0 + k - 1)
         ops = pages.ops
         return not ops.count_nonzero(self._owned[a0 : a0 + k]) and not ops.count_nonzero(pages.free[first : last + 1])
+
+    def _pages_claimable(self, s: Array, commit: bool) -> bool:
+        """Whole pages (paged, not one run): True when every page may be claimed, and then (with
+        ``commit``) claimed; False, changing nothing, when some check fails (the general path then
+        names it).  Range, free and repeats are checked on the page ids (a page_size-th of the
+        work); only the owner map is read per slot."""
+        pages = self.pages
+        p = pages.page_size
+        if not _whole_pages(s, p):
+            return False
+        ops = pages.ops
+        first = s[::p]
+        if ops.any_outside(first, p, pages.size + p):
+            return False
+        ids = pages.page_ids(first)
+        free = pages.free
+        if ops.count_nonzero(free[ids]) or ops.count_nonzero(self._owned[s]):
+            return False
+        # A page named twice: stamp the page ids into the free map (all zero there) and read back.
+        distinct = ops.stamp(free, ids)
+        free[ids] = 0
+        if not distinct:
+            return False
+        if commit:
+            self._owned[s] = 1
+        return True
 
     def _raise_unclaimable(self, s: Array, what: str) -> NoReturn:
         p = self.pages.page_size
