@@ -85,6 +85,15 @@ class ArrayOps:
         """
         raise NotImplementedError
 
+    def run_start(self, a: Array) -> int:
+        """``a0`` when ``a`` (non-empty) is exactly ``a0, a0 + 1, ..., a0 + k - 1``, else -1.
+
+        What alloc_extend usually hands out: a pool whose form finds runs cheaply checks
+        them as one slice.  -1 (no run) is always a correct answer: the caller then takes
+        the general path, which is where every refusal is raised anyway.
+        """
+        return -1
+
 
 def _integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
@@ -115,6 +124,8 @@ class NumpyOps(ArrayOps):
     def __init__(self) -> None:
         self._stamps = np.arange(1, 1, dtype=np.int32)
         self._stamp_bytes = b""
+        self._iota_bytes = b""  # 0, 1, 2, ... as int64 bytes: a run minus its first value reads so
+        self._scratch = np.empty(0, dtype=np.int64)
 
     def view(self, t: torch.Tensor) -> np.ndarray:
         return t.numpy()
@@ -175,6 +186,22 @@ class NumpyOps(ArrayOps):
             self._stamp_bytes = self._stamps.tobytes()
         table[idx] = self._stamps[:k]
         return bool(table[idx].tobytes() == self._stamp_bytes[: 4 * k])
+
+    def run_start(self, a: np.ndarray) -> int:
+        # Two scalar reads reject most non-runs; a run is then confirmed by one subtract into
+        # scratch and one memcmp against 0, 1, 2, ... (cheaper than diff/array_equal's temporaries).
+        k = a.size
+        a0 = a.item(0)
+        if a.item(k - 1) - a0 != k - 1 or a.dtype != np.int64:
+            return -1
+        if k <= 2:
+            return a0
+        if self._scratch.size < k:
+            n = max(k, 2 * self._scratch.size, 1024)
+            self._scratch = np.empty(n, dtype=np.int64)
+            self._iota_bytes = np.arange(n, dtype=np.int64).tobytes()
+        d = np.subtract(a, a0, out=self._scratch[:k])
+        return a0 if d.tobytes() == self._iota_bytes[: 8 * k] else -1
 
 
 class TorchOps(ArrayOps):

@@ -82,6 +82,15 @@ class SlotOwnership:
             self.owner_map()
         owned = self._owned
         ops = self.pages.ops
+        a0 = ops.run_start(s)
+        if a0 >= 0 and self._run_claimable(a0, k):
+            if commit:
+                owned[a0 : a0 + k] = 1
+            return
+        if a0 < 0 and self.pages.page_size > 1 and self._pages_claimable(s, commit):
+            return
+        # The general path: also where a run or pages that are not claimable raise, so every
+        # refusal reads the same whichever path found it.
         if k > len(owned) or ops.any_outside(s, 0, len(owned)):
             self._raise_unclaimable(s, what)
         if ops.count_nonzero(owned[s]) or ops.count_nonzero(self.pages.free[self.pages.page_ids(s)]):
@@ -99,6 +108,44 @@ class SlotOwnership:
                 f"{what}: the slots do not make whole pages of {p} in order (a value straddling pages would "
                 "leave a node half of each page); a paged cache keeps the pages alloc_extend hands out"
             )
+
+    def _run_claimable(self, a0: int, k: int) -> bool:
+        """Whether the run ``[a0, a0 + k)`` may be claimed whole: in range, whole pages in order
+        (a run is in order), no page free, no slot claimed (a run names each slot once).
+        Slices, not gathers: the cost is a memset-sized pass per map."""
+        pages = self.pages
+        p = pages.page_size
+        if a0 < p or a0 + k > len(self._owned) or (p > 1 and (a0 % p or k % p)):
+            return False
+        first, last = pages.page_ids(a0), pages.page_ids(a0 + k - 1)
+        ops = pages.ops
+        return not ops.count_nonzero(self._owned[a0 : a0 + k]) and not ops.count_nonzero(pages.free[first : last + 1])
+
+    def _pages_claimable(self, s: Array, commit: bool) -> bool:
+        """Whole pages (paged, not one run): True when every page may be claimed, and then (with
+        ``commit``) claimed; False, changing nothing, when some check fails (the general path then
+        names it).  Range, free and repeats are checked on the page ids (a page_size-th of the
+        work); only the owner map is read per slot."""
+        pages = self.pages
+        p = pages.page_size
+        if not _whole_pages(s, p):
+            return False
+        ops = pages.ops
+        first = s[::p]
+        if ops.any_outside(first, p, pages.size + p):
+            return False
+        ids = pages.page_ids(first)
+        free = pages.free
+        if ops.count_nonzero(free[ids]) or ops.count_nonzero(self._owned[s]):
+            return False
+        # A page named twice: stamp the page ids into the free map (all zero there) and read back.
+        distinct = ops.stamp(free, ids)
+        free[ids] = 0
+        if not distinct:
+            return False
+        if commit:
+            self._owned[s] = 1
+        return True
 
     def _raise_unclaimable(self, s: Array, what: str) -> NoReturn:
         p = self.pages.page_size
@@ -127,7 +174,11 @@ class SlotOwnership:
             return  # nothing was ever claimed (``strict=False``, or no tree on this pool)
         ops = self.pages.ops
         p = self.pages.page_size
-        if ops.any_outside(s, p, len(owned)):
+        a0 = ops.run_start(s)
+        if a0 >= p and a0 + len(s) <= len(owned):
+            if not ops.count_nonzero(owned[a0 : a0 + len(s)]):
+                return  # a run in range, none of it claimed: one slice, no gather
+        elif ops.any_outside(s, p, len(owned)):
             s = s[(s >= p) & (s < len(owned))]
         taken = owned[s] != 0
         if bool(taken.any()):
@@ -146,7 +197,12 @@ class SlotOwnership:
         if owned is None or len(s) == 0:
             return
         p = self.pages.page_size
-        if self.pages.ops.any_outside(s, p, len(owned)):
+        ops = self.pages.ops
+        a0 = ops.run_start(s)
+        if a0 >= p and a0 + len(s) <= len(owned):
+            owned[a0 : a0 + len(s)] = 0  # a run in range: a slice fill, no scatter
+            return
+        if ops.any_outside(s, p, len(owned)):
             s = s[(s >= p) & (s < len(owned))]
         owned[s] = 0
 
