@@ -82,7 +82,7 @@ class SlotOwnership:
             self.owner_map()
         owned = self._owned
         ops = self.pages.ops
-        a0 = ops.run_start(s)
+        a0 = self._run_in_range(s)
         if a0 >= 0 and self._run_claimable(a0, k):
             if commit:
                 owned[a0 : a0 + k] = 1
@@ -109,13 +109,21 @@ class SlotOwnership:
                 "leave a node half of each page); a paged cache keeps the pages alloc_extend hands out"
             )
 
+    def _run_in_range(self, s: Array) -> int:
+        """``s[0]`` when ``s`` (non-empty) is one ascending run inside the pool (past the padding
+        page, below its end), else -1: such a value is checked and changed by slices."""
+        a0 = self.pages.ops.run_start(s)
+        if a0 < self.pages.page_size or a0 + len(s) > len(self._owned):
+            return -1
+        return a0
+
     def _run_claimable(self, a0: int, k: int) -> bool:
-        """Whether the run ``[a0, a0 + k)`` may be claimed whole: in range, whole pages in order
+        """Whether the run ``[a0, a0 + k)`` (in range) may be claimed whole: whole pages in order
         (a run is in order), no page free, no slot claimed (a run names each slot once).
         Slices, not gathers: the cost is a memset-sized pass per map."""
         pages = self.pages
         p = pages.page_size
-        if a0 < p or a0 + k > len(self._owned) or (p > 1 and (a0 % p or k % p)):
+        if p > 1 and (a0 % p or k % p):
             return False
         first, last = pages.page_ids(a0), pages.page_ids(a0 + k - 1)
         ops = pages.ops
@@ -174,8 +182,8 @@ class SlotOwnership:
             return  # nothing was ever claimed (``strict=False``, or no tree on this pool)
         ops = self.pages.ops
         p = self.pages.page_size
-        a0 = ops.run_start(s)
-        if a0 >= p and a0 + len(s) <= len(owned):
+        a0 = self._run_in_range(s)
+        if a0 >= 0:
             if not ops.count_nonzero(owned[a0 : a0 + len(s)]):
                 return  # a run in range, none of it claimed: one slice, no gather
         elif ops.any_outside(s, p, len(owned)):
@@ -197,12 +205,11 @@ class SlotOwnership:
         if owned is None or len(s) == 0:
             return
         p = self.pages.page_size
-        ops = self.pages.ops
-        a0 = ops.run_start(s)
-        if a0 >= p and a0 + len(s) <= len(owned):
+        a0 = self._run_in_range(s)
+        if a0 >= 0:
             owned[a0 : a0 + len(s)] = 0  # a run in range: a slice fill, no scatter
             return
-        if ops.any_outside(s, p, len(owned)):
+        if self.pages.ops.any_outside(s, p, len(owned)):
             s = s[(s >= p) & (s < len(owned))]
         owned[s] = 0
 
