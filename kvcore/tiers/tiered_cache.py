@@ -108,6 +108,7 @@ class TieredCacheMixin:
         self._written: OrderedDict[str, None] = OrderedDict()
         # write_through_selective: calls that cached each page not written yet (SGLang's node.hit_count).
         self._threshold = config.write_threshold()
+        self._write_back = config.host_write_policy == "write_back"
         self._hits: OrderedDict[str, int] = OrderedDict()
         # write_back: the store key of each page the device tree holds, by the page's first slot (and back).
         self._key_at: dict[int, str] = {}
@@ -190,7 +191,7 @@ class TieredCacheMixin:
             if res.prefix_len > have and not res.duplicates_freed:
                 # Someone cached part of it meanwhile: the tree kept its own slots, these are ours to free.
                 self.token_to_kv_pool_allocator.free(slots[: res.prefix_len - have])
-            if not self._threshold:
+            if self._write_back:
                 self._note_tree_pages(loaded_key)
         finally:
             self.dec_lock_ref(m.last_device_node, lock)  # type: ignore[attr-defined]
@@ -214,9 +215,9 @@ class TieredCacheMixin:
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
         on = is_insert and not self._tiers_off
-        if on and self._threshold:
+        if on and not self._write_back:
             self._write_through(req, chunked=False)
-        key = self._committed_key(req) if on and not self._threshold else None  # write_back
+        key = self._committed_key(req) if on and self._write_back else None
         super().cache_finished_req(req, is_insert)  # type: ignore[misc]
         if key is not None:
             self._note_tree_pages(key)
@@ -225,9 +226,9 @@ class TieredCacheMixin:
         # A prefill chunk's pages are computed too: under write_through a session turn that never finishes
         # still shares them (write_through_selective counts no hit for a chunk, as SGLang).
         on = not self._tiers_off
-        if on and self._threshold:
+        if on and not self._write_back:
             self._write_through(req, chunked)
-        key = self._committed_key(req) if on and not self._threshold else None  # write_back
+        key = self._committed_key(req) if on and self._write_back else None
         super().cache_unfinished_req(req, chunked)  # type: ignore[misc]
         if key is not None:
             self._note_tree_pages(key)
@@ -310,7 +311,7 @@ class TieredCacheMixin:
 
     def evicting(self, values: Sequence[torch.Tensor]) -> None:
         super().evicting(values)  # type: ignore[misc]
-        if self._threshold or not self._key_at:
+        if not self._write_back or not self._key_at:
             return
         ps = self.page_size
         keys: list[str] = []
