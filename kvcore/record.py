@@ -10,6 +10,7 @@ import torch
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache, LockResult
     from kvcore.pools.req_to_token import ReqToTokenPool
+    from kvcore.tree.resume import ResumePoint
 
 __all__ = ["ReqKvInfo", "Req", "RetractionBackup", "ceil_align", "floor_align"]
 
@@ -80,7 +81,7 @@ class ReqKvInfo:
     retraction_backup: RetractionBackup | None = None
     # Where the next cache_unfinished_req may resume its insert (kvcore.tree.resume.ResumePoint): the
     # tree's slots of [0, cache_protected_len) and the locked node they end on.  A cache's, checked before use.
-    resume: Any = field(default=None, repr=False, compare=False)
+    resume: ResumePoint | None = field(default=None, repr=False, compare=False)
 
     def swa_dead_lo(self, page_size: int) -> int:
         """Lowest position whose window slot this record may free itself."""
