@@ -155,10 +155,14 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._time = t + 1.0
         return t
 
-    def new_node(self, priority: int = 0) -> UnifiedNode:
-        node = UnifiedNode()
-        node.last_access_time = self.tick()
-        node.creation_time = self.tick()
+    def new_node(self, priority: int = 0, key: list[int] | None = None, value: Any = None,
+                 parent: UnifiedNode | None = None, ck: Any = None, extra_key: str | None = None) -> UnifiedNode:
+        """A node with SGLang's two ticks (access, then creation) and every component's fields."""
+        node = UnifiedNode(key, value, parent, ck, extra_key)
+        t = self._time
+        node.last_access_time = t
+        node.creation_time = t + 1.0
+        self._time = t + 2.0
         node.priority = priority
         for k, v in self._node_fields.items():
             setattr(node, k, v)
@@ -616,22 +620,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
-        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is.
-
-        Built in one constructor call, with :meth:`new_node`'s two ticks (access, creation).
-        """
+        """A new leaf under ``parent``; ``own``: ``value`` is the caller's fresh copy, kept as is."""
         self._last_walk = None
         ps = self.page_size
-        page = key[0] if ps == 1 else tuple(key[:ps])
-        ck = (extra_key, page) if extra_key is not None and parent is self.root_node else page
-        node = UnifiedNode(key, value if own else value.clone(), parent, ck, extra_key)
-        t = self._time
-        node.last_access_time = t
-        node.creation_time = t + 1.0
-        self._time = t + 2.0
-        node.priority = priority
-        for k, v in self._node_fields.items():
-            setattr(node, k, v)
+        ck = child_key(key, 0, ps, extra_key if parent is self.root_node else None)
+        node = self.new_node(priority, key, value if own else value.clone(), parent, ck, extra_key)
         if self.strict and not claimed:
             self.token_to_kv_pool_allocator.claim(node.value, checked=False)
         parent.children[ck] = node
