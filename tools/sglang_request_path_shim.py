@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from kvcore_sglang.v0_5_19 import KvcoreTreeCache, owner_of
-from sglang.srt.managers.schedule_batch import Req, release_req
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_req
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache import allocation
 from sglang.srt.mem_cache.allocator import paged
@@ -41,7 +41,6 @@ from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, EvictParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots, maybe_cache_unfinished_req, release_kv_cache
-from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
@@ -420,14 +419,6 @@ class SWAWorld(World):
                 and a.swa_available_size() + c.swa_evictable_size() == self.swa_size)
 
 
-def _state_shape() -> Any:
-    """The model shape SGLang's ``MambaPool`` reads: one small conv and one temporal state per layer."""
-    return types.SimpleNamespace(
-        shape=types.SimpleNamespace(conv=[(6, 3)], temporal=(2, 4, 4), disable_conv_window_dedup=True),
-        dtype=types.SimpleNamespace(conv=torch.float32, temporal=torch.float32), is_kda=False,
-    )
-
-
 class MambaWorld(World):
     """A hybrid SSM model: SGLang's ``HybridReqToTokenPool`` (rows, a ``MambaPool`` of two small layers, its slots).
 
@@ -451,10 +442,18 @@ class MambaWorld(World):
     def publish(self, server_args: Any) -> None:
         server_args._mamba_cache_chunk_size = self.chunk_size
 
+    @staticmethod
+    def state_shape() -> Any:
+        """The model shape SGLang's ``MambaPool`` reads: one small conv and one temporal state per layer."""
+        return types.SimpleNamespace(
+            shape=types.SimpleNamespace(conv=[(6, 3)], temporal=(2, 4, 4), disable_conv_window_dedup=True),
+            dtype=types.SimpleNamespace(conv=torch.float32, temporal=torch.float32), is_kda=False,
+        )
+
     def make_req_to_token_pool(self, rows: int, width: int) -> Any:
         return HybridReqToTokenPool(
             size=rows, mamba_size=self.mamba_size, mamba_spec_state_size=self.mamba_size, max_context_len=width,
-            device="cpu", enable_memory_saver=False, cache_params=_state_shape(), mamba_layer_ids=[0, 1],
+            device="cpu", enable_memory_saver=False, cache_params=self.state_shape(), mamba_layer_ids=[0, 1],
             enable_mamba_extra_buffer=False, enable_overlap_schedule=True,
         )
 
@@ -565,7 +564,7 @@ class MambaWorld(World):
 
 
 def mamba_tree_dump(root: Any) -> list:
-    """Every node of a Mamba tree (SGLang's or kvcore-mamba's) as (path, slots, full lock, state lock, state), sorted."""
+    """Every node of a Mamba tree (SGLang's or kvcore-mamba's): (path, slots, full lock, state lock, state), sorted."""
     out = []
     stack = [((), root)]
     while stack:

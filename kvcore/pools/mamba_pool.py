@@ -178,7 +178,7 @@ class MambaRequestTable(abc.ABC):
     out state slots itself (kvcore's) calls them when slots run short and on each new slot.
     """
 
-    req_to_token: torch.Tensor
+    # req_to_token is the table's own (a tensor attribute or property of every request table).
     extra_buffer: bool
     mamba_pool: Any
     mamba_allocator: Any

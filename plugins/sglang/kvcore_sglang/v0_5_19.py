@@ -977,6 +977,17 @@ class KvcoreMambaTreeCache(KvcoreTreeCache):
         if not self.disable:
             self.kvcore_cache.sanity_check()
 
+    # -- what SGLang's leak diagnosis (the scheduler's watchdog dump) reads
+    def all_values_flatten(self) -> torch.Tensor:
+        return self._tree_slots("full")
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        return self._tree_slots("mamba")
+
+    def _tree_slots(self, pool: str) -> torch.Tensor:
+        parts = [owned.slots.reshape(-1) for owned in self.kvcore_cache.iter_owned_slots() if owned.pool == pool]
+        return torch.cat(parts) if parts else torch.tensor([])
+
     def available_and_evictable_str(self) -> str:
         full = self.token_to_kv_pool_allocator.available_size()
         return (f"Available full tokens: {full + self.full_evictable_size()} ({full=} + "
