@@ -389,9 +389,14 @@ class HybridReqToTokenPoolView(ReqToTokenPoolView, MambaRequestTable):
     """kvcore's request table with state slots over SGLang's ``HybridReqToTokenPool``.
 
     SGLang's own ``alloc`` (called by its ``alloc_req_slots``) gives a request its row and
-    state slot, so kvcore's admission hooks (``evict_states``, ``prepare_state``) are never
-    called here; ``free_mamba_cache`` is SGLang's, which also keeps its device-side map.
+    state slot (and, extra-buffer strategy, its two ping-pong tracking slots), so kvcore's
+    admission hooks (``evict_states``, ``prepare_state``) are never called here.  SGLang's
+    scheduler sets the tracking fields and its kernels write the snapshots
+    (``tracks_states``).  ``free_mamba_cache`` and ``set_ping_pong_slot`` are SGLang's, which
+    also keep its device-side maps.
     """
+
+    tracks_states = True
 
     def __init__(self, pool: Any):
         super().__init__(pool)
@@ -405,6 +410,9 @@ class HybridReqToTokenPoolView(ReqToTokenPoolView, MambaRequestTable):
         if state is not None:
             self.mamba_allocator._unclaimed(state.slots())
         self.sglang.free_mamba_cache(_RecordHolder(kv.sglang), mamba_ping_pong_track_buffer_to_keep=keep)
+
+    def set_ping_pong_slot(self, kv: Any, idx: int, slot: torch.Tensor) -> None:
+        self.sglang.set_mamba_ping_pong_slot(_RecordHolder(kv.sglang), idx, slot)
 
 
 class _RecordHolder:
@@ -1101,10 +1109,15 @@ def _build_mamba(target: Target, params: Any) -> Any:
     if type(alloc) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
         raise UnsupportedContext(f"{name}: needs SGLang's TokenToKVPoolAllocator or PagedTokenToKVPoolAllocator, "
                                  f"got {type(alloc).__name__}")
-    if r2t.enable_mamba_extra_buffer or params.enable_mamba_extra_buffer:
-        raise UnsupportedContext(f"{name}: the extra-buffer Mamba strategy (--mamba-scheduler-strategy "
-                                 "extra_buffer, page size > 1) is not served yet: use --mamba-scheduler-strategy "
-                                 "no_buffer with --page-size 1")
+    if bool(r2t.enable_mamba_extra_buffer) != bool(params.enable_mamba_extra_buffer):
+        raise UnsupportedContext(f"{name}: the cache and SGLang's HybridReqToTokenPool disagree on the "
+                                 "extra-buffer Mamba strategy")
+    if r2t.enable_mamba_extra_buffer_lazy or params.enable_mamba_extra_buffer_lazy:
+        raise UnsupportedContext(f"{name}: the lazy extra-buffer Mamba strategy (--mamba-scheduler-strategy "
+                                 "extra_buffer_lazy) is not supported by kvcore: use extra_buffer or no_buffer")
+    if int(params.page_size) > 1 and not r2t.enable_mamba_extra_buffer:
+        raise UnsupportedContext(f"{name}: page size {params.page_size} needs the extra-buffer Mamba strategy "
+                                 "(--mamba-scheduler-strategy extra_buffer), as SGLang's MambaRadixCache does")
     if r2t.mamba_ckpt_pool is not None:
         raise UnsupportedContext(f"{name}: int8 Mamba checkpoints (--enable-int8-mamba-checkpoint) are not "
                                  "supported by kvcore (drop the flag)")
