@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from sglang.srt.runtime_context import get_context
 
 from tools.sglang_request_path_shim import MambaWorld, run_stream
