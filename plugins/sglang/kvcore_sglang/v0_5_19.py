@@ -434,13 +434,18 @@ class KvRecordView:
     ``cache_finished_req`` the length to cache (``kv_len_to_handle``, which
     ``strip_thinking_cache`` shortens) and caches ``len(fill_ids)`` in
     ``cache_unfinished_req``; kvcore's backends read it from the record.
+    ``resume`` (kvcore's resume point, which SGLang's record has no field for) lives
+    in ``resumes``, the cache's table keyed by SGLang's ``Req`` (``owner``).
     """
 
-    __slots__ = ("sglang", "_committed")
+    __slots__ = ("sglang", "_committed", "_resumes", "_owner")
 
-    def __init__(self, kv: Any, committed: int | None = None):
+    def __init__(self, kv: Any, committed: int | None = None, resumes: weakref.WeakKeyDictionary | None = None,
+                 owner: Any = None):
         self.sglang = kv
         self._committed = committed
+        self._resumes = resumes
+        self._owner = owner
 
     @property
     def req_pool_idx(self) -> int | None:
@@ -479,13 +484,18 @@ class KvRecordView:
         self.sglang.swa_evicted_seqlen = value
 
     @property
-    def resume(self) -> None:
-        """No resume point: each call gets a new view, so every chunk takes the whole-prefix path."""
-        return None
+    def resume(self) -> Any:
+        """Where the request's next chunk may be inserted from (None: the whole-prefix path)."""
+        return None if self._resumes is None else self._resumes.get(self._owner)
 
     @resume.setter
     def resume(self, value: Any) -> None:
-        pass
+        if self._resumes is None:
+            return
+        if value is None:
+            self._resumes.pop(self._owner, None)
+        else:
+            self._resumes[self._owner] = value
 
     def swa_dead_lo(self, page_size: int) -> int:
         return int(self.sglang.swa_dead_lo(page_size))
@@ -560,27 +570,53 @@ def namespace(extra_key: str | None, cache_salt: str | None) -> Any:
     return extra_key if cache_salt is None else (extra_key, cache_salt)
 
 
+class RequestTables:
+    """What a kvcore cache keeps per SGLang ``Req`` that SGLang's ``Req`` has no field for (weakly keyed)."""
+
+    __slots__ = ("locks", "resumes")
+
+    def __init__(self) -> None:
+        self.locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.resumes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class ReqView:
     """SGLang's ``Req`` as kvcore's tree code reads it, writing ``last_node`` and ``prefix_indices`` through.
 
-    ``fill_ids`` are the tokens SGLang caches in this call.  kvcore keeps the lock
-    object of a request (``lock``) in the cache's table, not on SGLang's ``Req``.
+    ``fill_ids`` are the tokens SGLang caches in this call, as a list made on first use:
+    a resumed chunk reads only its own part (``fill_slice``).  kvcore keeps the lock and the
+    resume point of a request in the cache's tables (``tables``), not on SGLang's ``Req``.
     """
 
-    __slots__ = ("sglang", "kv", "fill_ids", "_locks")
+    __slots__ = ("sglang", "kv", "_fill", "_fill_list", "_locks")
 
-    def __init__(self, req: Any, fill_ids: Any, committed: int | None, locks: weakref.WeakKeyDictionary):
+    def __init__(self, req: Any, fill_ids: Any, committed: int | None, tables: RequestTables):
         self.sglang = req
-        self.kv = KvRecordView(req.kv, committed)
-        self.fill_ids = fill_ids.tolist() if isinstance(fill_ids, array) else list(fill_ids)
-        self._locks = locks
+        self.kv = KvRecordView(req.kv, committed, tables.resumes, req)
+        self._fill = fill_ids
+        self._fill_list: list[int] | None = None
+        self._locks = tables.locks
+
+    @property
+    def fill_ids(self) -> list[int]:
+        if self._fill_list is None:
+            fill = self._fill
+            self._fill_list = fill.tolist() if isinstance(fill, array) else list(fill)
+        return self._fill_list
 
     @property
     def rid(self) -> str:
         return self.sglang.rid
 
+    @property
+    def seqlen(self) -> int:
+        return int(self.sglang.seqlen)
+
     def fill_slice(self, start: int, end: int) -> list[int]:
-        return self.fill_ids[start:end]
+        if self._fill_list is not None:
+            return self._fill_list[start:end]
+        part = self._fill[start:end]
+        return part.tolist() if isinstance(part, array) else list(part)
 
     @property
     def extra_key(self) -> Any:
@@ -748,7 +784,7 @@ class KvcoreTreeCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = int(params.page_size)
         self.disable_finished_insert = bool(params.disable_finished_insert)
-        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tables = RequestTables()
         self._events = _EventTranslator(self.page_size) if params.enable_kv_cache_events else None
         if self._events is not None:
             # SGLang's RadixCache records a clear when it builds its (empty) tree.
@@ -794,7 +830,7 @@ class KvcoreTreeCache(BasePrefixCache):
         if self.disable_finished_insert:
             is_insert = False
         fill_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        view = self.req_view(req, fill_ids, kv_len_to_handle, self._locks)
+        view = self.req_view(req, fill_ids, kv_len_to_handle, self._tables)
         self.kvcore_cache.hook.cache_finished_req(req=view, is_insert=is_insert)
         self._flush_events()
 
@@ -808,7 +844,7 @@ class KvcoreTreeCache(BasePrefixCache):
         else:
             fill_ids = req.get_fill_ids()
             committed = len(fill_ids)
-        view = self.req_view(req, fill_ids, committed, self._locks)
+        view = self.req_view(req, fill_ids, committed, self._tables)
         self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
         self._flush_events()
 
@@ -941,7 +977,7 @@ class KvcoreMambaTreeCache(KvcoreTreeCache):
         # SGLang's scheduler matches a waiting request again each round; one that kept its state
         # slot from an earlier match is only pointed at the new source (SGLang's match does that).
         rematch = cow and bool(req.kv.holds_mamba)
-        view = self.req_view(req, (), None, self._locks) if cow and not rematch else None
+        view = self.req_view(req, (), None, self._tables) if cow and not rematch else None
         found = self.kvcore_cache.match_prefix(self._key(params.key), cow_mamba=view is not None, req=view)
         node = found.last_device_node
         if rematch and node.mamba_value is not None:
