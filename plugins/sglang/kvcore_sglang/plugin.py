@@ -13,12 +13,19 @@ import importlib
 import json
 import logging
 import re
-from importlib.metadata import version
+from importlib.metadata import EntryPoint, entry_points, version
 from typing import Any
 
 from kvcore_sglang.config import SUPPORTED_SGLANG, TARGETS, Target
 
-__all__ = ["HICACHE_BACKEND", "KvcoreFactory", "contract_module", "hicache_extra_config", "register_with_sglang"]
+__all__ = ["HICACHE_BACKEND", "TARGET_GROUP", "KvcoreFactory", "contract_module", "declared_targets",
+           "hicache_extra_config", "register_with_sglang"]
+
+#: Where another distribution declares an SGLang name for its kvcore backend, without kvcore-sglang
+#: knowing it: ``mybackend = "mypkg.sglang:TARGET"`` in this entry-point group registers
+#: ``--radix-cache-backend kvcore-mybackend``.  ``TARGET`` is a :class:`kvcore_sglang.Target` named
+#: ``kvcore-mybackend``; it is loaded only when SGLang builds the cache (registration reads metadata).
+TARGET_GROUP = "kvcore_sglang.targets"
 
 _log = logging.getLogger(__name__)
 
@@ -55,20 +62,64 @@ def contract_module() -> Any:
     return importlib.import_module("kvcore_sglang.v" + release.replace(".", "_"))
 
 
-class KvcoreFactory:
-    """What SGLang's registry holds for one name: called with a ``TreeCacheBuildContext``."""
+def declared_targets() -> list[tuple[str, EntryPoint]]:
+    """``(name, entry point)`` of every target another distribution declares in :data:`TARGET_GROUP`.
 
-    def __init__(self, target: Target):
+    Reads installed metadata only: nothing is imported.
+    """
+    own = {t.name for t in TARGETS}
+    found = []
+    for ep in entry_points(group=TARGET_GROUP):
+        name = f"kvcore-{ep.name}"
+        if name in own:
+            _log.warning("kvcore-sglang: %s (declared by %s) is kvcore-sglang's own name; left out", name, ep.value)
+        else:
+            found.append((name, ep))
+    return found
+
+
+class KvcoreFactory:
+    """What SGLang's registry holds for one name: called with a ``TreeCacheBuildContext``.
+
+    ``target`` is kvcore-sglang's own; a name another distribution declares comes as its
+    ``entry_point``, loaded on the first call.
+    """
+
+    def __init__(self, target: Target | None = None, *, entry_point: EntryPoint | None = None):
+        if (target is None) == (entry_point is None):
+            raise TypeError("KvcoreFactory takes a target or an entry point, one of them")
         self.target = target
+        self.entry_point = entry_point
+        self.name = target.name if target is not None else f"kvcore-{entry_point.name}"  # type: ignore[union-attr]
+
+    def resolved_target(self) -> Target:
+        """The target, loading a declared one (RuntimeError naming the entry point if it is not one)."""
+        if self.target is None:
+            ep = self.entry_point
+            assert ep is not None
+            where = f"entry point {ep.name} = {ep.value!r} (group {TARGET_GROUP})"
+            try:
+                loaded = ep.load()
+            except Exception as exc:  # noqa: BLE001 - any import failure of a third party's module
+                raise RuntimeError(f"--radix-cache-backend {self.name}: {where} does not load: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            if not isinstance(loaded, Target) or loaded.name != self.name:
+                raise RuntimeError(f"--radix-cache-backend {self.name}: {where} must name a kvcore_sglang.Target "
+                                   f"with name={self.name!r}, got {loaded!r}")
+            self.target = loaded
+        return self.target
 
     def __call__(self, ctx: Any) -> Any:
-        if self.target.builder is None:
-            return contract_module().build_tree_cache(self.target, ctx)
-        # A target with a builder of its own (another module of this package): imported only now.
-        module, _, function = self.target.builder.partition(":")
-        return getattr(importlib.import_module(module), function)(self.target, ctx)
+        target = self.resolved_target()
+        if target.builder is None:
+            return contract_module().build_tree_cache(target, ctx)
+        # A target with a builder of its own: imported only now.
+        module, _, function = target.builder.partition(":")
+        return getattr(importlib.import_module(module), function)(target, ctx)
 
     def __repr__(self) -> str:
+        if self.target is None:
+            return f"KvcoreFactory({self.name!r}, declared by {self.entry_point.value!r})"  # type: ignore[union-attr]
         return f"KvcoreFactory({self.target.name!r} -> kvcore backend {self.target.backend!r})"
 
 
@@ -76,7 +127,8 @@ def register_with_sglang() -> None:
     """Register every name of :data:`kvcore_sglang.config.TARGETS` with SGLang's radix-cache registry.
 
     A new name is one more :class:`~kvcore_sglang.config.Target` in ``TARGETS`` (with
-    ``builder="kvcore_sglang.mymodule:build"`` when the contract module does not build it).
+    ``builder="kvcore_sglang.mymodule:build"`` when the contract module does not build it), or,
+    from another distribution, one entry point in :data:`TARGET_GROUP`.
 
     Idempotent: ``load_plugins`` may run more than once per process, and SGLang's
     registry raises on a second registration, so a name already held by this
@@ -88,10 +140,11 @@ def register_with_sglang() -> None:
         register_radix_cache_backend,
     )
 
-    for target in TARGETS:
-        held = get_radix_cache_factory(target.name)
+    factories = [KvcoreFactory(t) for t in TARGETS] + [KvcoreFactory(entry_point=ep) for _, ep in declared_targets()]
+    for factory in factories:
+        held = get_radix_cache_factory(factory.name)
         if held is None:
-            register_radix_cache_backend(target.name, KvcoreFactory(target))
+            register_radix_cache_backend(factory.name, factory)
         elif not isinstance(held, KvcoreFactory):
             _log.warning("kvcore-sglang: --radix-cache-backend %s is already registered by %r; left to it",
-                         target.name, held)
+                         factory.name, held)

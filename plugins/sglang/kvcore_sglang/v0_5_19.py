@@ -1228,9 +1228,24 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")
         cache = _build_kvcore(target, "chunk", params, strict=False)
+    elif target.serves == ("full",):
+        # Another distribution's backend for full-attention models (declared in kvcore_sglang.targets):
+        # on SGLang's pools as kvcore-radix is, with the options every kvcore tree config has.
+        try:
+            get_backend(target.backend)
+        except kvcore.KvcoreError as exc:
+            raise UnsupportedContext(f"--radix-cache-backend {target.name}: {exc}") from None
+        cache = _build_kvcore(
+            target, target.backend, params,
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            strict=strict_slots() and params.token_to_kv_pool_allocator is not None,
+        )
     else:
         raise UnsupportedContext(
-            f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} "
-            f"cannot build backend {target.backend!r}"
+            f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} builds another "
+            f"distribution's backend ({target.backend!r}) for full-attention models only; give the Target a "
+            "builder for the other model kinds"
         )
     return KvcoreTreeCache(target, cache, params, chunk_when_disabled=target.backend == "unified")

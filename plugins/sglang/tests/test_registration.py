@@ -336,3 +336,37 @@ def test_kvcore_mamba_strict_refuses_a_free_state_slot_and_changes_nothing(monke
     release_kv_cache(req, cache)           # SGLang's release: cache_finished_req, then the row
     assert cache.total_size() == (4, 1) and not req.kv.holds_mamba   # the tree took the state slot
     kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
+
+
+def test_another_distribution_declares_its_backend_for_sglang(caplog):
+    """kvcore-example-backend declares ``example`` in group kvcore_sglang.targets: SGLang gets kvcore-example."""
+    from kvcore_sglang.plugin import TARGET_GROUP, declared_targets
+
+    assert ("kvcore-example", "kvcore_example.sglang:TARGET") in [(n, ep.value) for n, ep in declared_targets()]
+    assert TARGET_GROUP == "kvcore_sglang.targets"
+    load_plugins()
+    factory = get_radix_cache_factory("kvcore-example")
+    assert isinstance(factory, KvcoreFactory) and factory.target is None     # not loaded by registering
+    with get_context().override_server_args(radix_cache_backend="kvcore-example") as server_args:
+        ctx = make_ctx(server_args)
+        with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
+            cache = create_tree_cache(ctx)
+    assert isinstance(cache, KvcoreTreeCache) and "source=registered('kvcore-example')" in caplog.text
+    assert type(cache.kvcore_cache).__name__ == "ExampleCache"
+    assert cache.kvcore_cache.token_to_kv_pool_allocator.sglang is ctx.params.token_to_kv_pool_allocator
+    kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
+    # A hybrid model is refused by name, as for kvcore's own targets.
+    with get_context().override_server_args(radix_cache_backend="kvcore-example") as server_args:
+        with pytest.raises(UnsupportedContext, match="hybrid-ssm model, which kvcore-example does not serve"):
+            create_tree_cache(make_ctx(server_args, hybrid_ssm=True))
+
+
+def test_a_declared_target_that_is_not_a_target_is_refused_by_name():
+    from importlib.metadata import EntryPoint
+
+    factory = KvcoreFactory(entry_point=EntryPoint("broken", "kvcore_sglang.config:TARGETS", "kvcore_sglang.targets"))
+    with pytest.raises(RuntimeError, match="must name a kvcore_sglang.Target with name='kvcore-broken'"):
+        factory(None)
+    factory = KvcoreFactory(entry_point=EntryPoint("gone", "no_such_module:TARGET", "kvcore_sglang.targets"))
+    with pytest.raises(RuntimeError, match="does not load: ModuleNotFoundError"):
+        factory(None)

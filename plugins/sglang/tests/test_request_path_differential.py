@@ -93,3 +93,16 @@ def test_kvcore_unified_matches_sglang_unified_radix_cache(seed, page_size):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_kvcore_chunk_matches_sglang_chunk_cache(page_size):
     run_stream(11, cache_kind="chunk", kvcore_name="kvcore-chunk", page_size=page_size, steps=200)
+
+
+def test_a_declared_third_party_backend_runs_sglangs_request_path():
+    """kvcore-example (declared by kvcore-example-backend, not by kvcore-sglang) under SGLang's request path.
+
+    The example tree does not promise SGLang's free-list order (it frees an eviction's victims
+    in one call), so it runs alone: SGLang's pool check and kvcore's invariant checker after
+    every step, and SGLang's idle check at the end.
+    """
+    for seed in range(3):
+        counts = run_stream(seed, cache_kind="radix", kvcore_name="kvcore-example", page_size=1 + 3 * (seed % 2),
+                            steps=200, solo=True)
+        assert counts["chunk"] and counts["finish"] and counts["alloc_evict"], counts
