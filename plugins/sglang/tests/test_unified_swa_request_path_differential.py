@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from kvcore_sglang.v0_5_19 import KvcoreTreeCache
 
 from tools.sglang_request_path_shim import SWAWorld, run_stream
 
@@ -67,6 +68,20 @@ def test_kvcore_unified_swa_disabled_matches_sglang():
                size=160, world_options=dict(swa_size=160, window=8), chunks=(1000,), finish_weight=0.7, disable=True)
 
 
+class FinishedInsertOff(SWAWorld):
+    """The reference for ``disable_finished_insert``: what the option means (SGLang's RadixCache turns
+    ``cache_finished_req`` into ``is_insert=False``), since SGLang 0.5.19's UnifiedRadixCache ignores it."""
+
+    def finish(self, rid: str, is_insert: bool = True) -> None:
+        super().finish(rid, is_insert and isinstance(self.cache, KvcoreTreeCache))
+
+
 def test_kvcore_unified_swa_disable_finished_insert():
-    """``disable_finished_insert``: SGLang's UnifiedRadixCache honours it (its scheduler passes is_insert=False)."""
-    stream(3, 4, 8, 160, 64, steps=150, disable_finished_insert=True)
+    """``disable_finished_insert`` honoured: finished requests are released without inserting.
+
+    A deliberate difference from SGLang 0.5.19's UnifiedRadixCache, which inserts anyway;
+    the SGLang world is therefore given ``is_insert=False`` at every finish.
+    """
+    run_stream(3, cache_kind="unified-swa", kvcore_name="kvcore-unified", page_size=4, steps=150,
+               world=FinishedInsertOff, size=160, world_options=dict(swa_size=64, window=8), chunks=(8, 16, 24),
+               finish_weight=0.7, disable_finished_insert=True)
