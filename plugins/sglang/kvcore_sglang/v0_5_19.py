@@ -34,6 +34,7 @@ from sglang.srt.disaggregation.kv_events import (  # type: ignore[import-not-fou
     BlockStoredWithMetadata,
     StorageMedium,
 )
+from sglang.srt.environ import envs  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-found,unused-ignore]
     BasePrefixCache,
@@ -45,7 +46,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-
     MatchPrefixParams,
     MatchResult,
 )
-from sglang.srt.environ import envs  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.common import (  # type: ignore[import-not-found,unused-ignore]
     free_kv_row_segments,
     free_swa_out_of_window_slots,

@@ -1,4 +1,4 @@
-"""kvcore-unified (components full + swa) against SGLang 0.5.19's ``UnifiedRadixCache``, through SGLang's own request path.
+"""kvcore-unified (components full + swa) against SGLang 0.5.19's ``UnifiedRadixCache``, through its request path.
 
 On a hybrid sliding-window model SGLang's default tree is its ``UnifiedRadixCache`` with
 components FULL and SWA (``registry._create_unified_radix_cache``); ``--radix-cache-backend
