@@ -166,7 +166,9 @@ class InvariantChecker:
         """
         for group, bucket in ((live, "uncached"), (idle, "session")):
             for owner, kv in group:
-                if kv.is_held:
+                # A pool a row does not index (state slots) may be held before any row: SGLang's scheduler
+                # gives a request its Mamba state slot at the admission match, before its KV.
+                if kv.is_held or pool.record_slots is not None:
                     slots, count = self._record_slots(pool, kv, row_page)
                     yield _owner_name(owner), slots.to(torch.int64).cpu(), bucket, count
         try:

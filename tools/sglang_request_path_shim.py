@@ -24,12 +24,13 @@ the real SGLang of ``.venv-sglang`` (``./dev sglang-venv``), and only
 from __future__ import annotations
 
 import random
+import types
 from array import array
 from typing import Any
 
 import torch
 from kvcore_sglang.v0_5_19 import KvcoreTreeCache, owner_of
-from sglang.srt.managers.schedule_batch import Req, release_req
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_req
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache import allocation
 from sglang.srt.mem_cache.allocator import paged
@@ -40,7 +41,8 @@ from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, EvictParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots, maybe_cache_unfinished_req, release_kv_cache
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -48,12 +50,12 @@ from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.plugins import load_plugins
-from sglang.srt.runtime_context import get_context
+from sglang.srt.runtime_context import get_context, get_server_args
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 import kvcore
 
-__all__ = ["SWAWorld", "World", "install_cpu_kernels", "run_stream", "tree_dump", "window_state"]
+__all__ = ["MambaWorld", "SWAWorld", "World", "install_cpu_kernels", "run_stream", "tree_dump", "window_state"]
 
 
 # ---------------------------------------------------------------------------- CPU stand-ins for the Triton kernels
@@ -100,12 +102,13 @@ class World:
     """SGLang's pools, one tree cache on them, and the scheduler steps a test drives."""
 
     is_hybrid_swa = False
+    is_hybrid_ssm = False
 
     def __init__(self, cache_kind: str, *, size: int, page_size: int, rows: int, width: int,
                  kvcore_name: str | None = None, **params: Any):
         self.page_size = page_size
         self.size = size
-        self.r2t = ReqToTokenPool(rows, width, "cpu", False)
+        self.r2t = self.make_req_to_token_pool(rows, width)
         self.alloc = self.make_allocator(size, page_size, params)
         init = CacheInitParams(disable=params.pop("disable", False), req_to_token_pool=self.r2t,
                                token_to_kv_pool_allocator=self.alloc, page_size=page_size, **params)
@@ -114,14 +117,22 @@ class World:
         else:
             load_plugins()
             with get_context().override_server_args(radix_cache_backend=kvcore_name) as server_args:
+                self.publish(server_args)
                 ctx = TreeCacheBuildContext(
-                    server_args=server_args, params=init, is_hybrid_swa=self.is_hybrid_swa, is_hybrid_ssm=False,
+                    server_args=server_args, params=init, is_hybrid_swa=self.is_hybrid_swa,
+                    is_hybrid_ssm=self.is_hybrid_ssm,
                     enable_hierarchical_cache=False, disable_radix_cache=False, effective_chunked_prefill_size=None,
                     tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
                 )
                 self.cache = create_tree_cache(ctx)
             assert isinstance(self.cache, KvcoreTreeCache)
         self.reqs: dict[str, Req] = {}
+
+    def make_req_to_token_pool(self, rows: int, width: int) -> Any:
+        return ReqToTokenPool(rows, width, "cpu", False)
+
+    def publish(self, server_args: Any) -> None:
+        """What this model kind adds to the ServerArgs the cache is built under (nothing here)."""
 
     def make_allocator(self, size: int, page_size: int, params: dict) -> Any:
         if page_size == 1:
@@ -181,6 +192,7 @@ class World:
         # write_cache_indices: the prefix slots, then the new ones.
         row[:start] = req.prefix_indices.to(torch.int32)
         row[start:end] = out.to(torch.int32)
+        self.forward([req], [req.full_untruncated_fill_ids[start:end]])
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
         more = end < len(req.full_untruncated_fill_ids)
         maybe_cache_unfinished_req(req, self.cache, chunked=more)
@@ -194,12 +206,16 @@ class World:
             seq = torch.tensor([r.kv.kv_committed_len + 1 for r in reqs])
             last = torch.stack([self.r2t.req_to_token[r.kv.req_pool_idx, r.kv.kv_committed_len - 1] for r in reqs])
             out = allocation.alloc_paged_token_slots_decode(self.cache, seq, seq.clone(), last.to(torch.int64))
+        self.forward(reqs, [[tok] for tok in tokens])
         for req, slot, tok in zip(reqs, out.tolist(), tokens):
             self.r2t.req_to_token[req.kv.req_pool_idx, req.kv.kv_committed_len] = slot
             req.kv.kv_allocated_len += 1
             req.kv.kv_committed_len += 1
             req.output_ids.append(tok)
         return out.tolist()
+
+    def forward(self, reqs: list[Req], tokens: list) -> None:
+        """The model's forward over these tokens: nothing the cache reads (a model with states adds them)."""
 
     def sample_first(self, rid: str, token: int) -> None:
         self.reqs[rid].output_ids.append(token)
@@ -246,13 +262,17 @@ class World:
         return {
             **self.pool_state(),
             "rows": list(self.r2t.free_slots),
-            "evictable": cache.evictable_size() if not self.is_hybrid_swa else None,
-            "protected": cache.protected_size() if not self.is_hybrid_swa else None,
+            # A hybrid model's tree answers per pool (its pool_state holds them); SGLang's raise here.
+            "evictable": None if self.is_hybrid_swa or self.is_hybrid_ssm else cache.evictable_size(),
+            "protected": None if self.is_hybrid_swa or self.is_hybrid_ssm else cache.protected_size(),
             "total": None if cache.is_chunk_cache() else full_total(cache),
-            "tree": None if cache.is_chunk_cache() else tree_dump(cache.root_node),
+            "tree": None if cache.is_chunk_cache() else self.dump_tree(),
             "reqs": {rid: self.req_state(r) for rid, r in sorted(self.reqs.items())},
             "events": [repr(e) for e in cache.take_events()],
         }
+
+    def dump_tree(self) -> list:
+        return tree_dump(self.cache.root_node)
 
     def uncached(self) -> tuple[int, int]:
         """Running requests' slots the tree does not hold: (full, window), as the scheduler's busy check counts."""
@@ -410,6 +430,168 @@ class SWAWorld(World):
                 and a.swa_available_size() + c.swa_evictable_size() == self.swa_size)
 
 
+class MambaWorld(World):
+    """A hybrid SSM model: SGLang's ``HybridReqToTokenPool`` (rows, a ``MambaPool`` of two small layers, its slots).
+
+    The forward is the scheduler's and the model runner's part for the states:
+    ``ScheduleBatch._collect_deferred_mamba_cow_and_clear`` (SGLang's own, on the batch's
+    requests), the copy-on-write and clear it asks for on SGLang's pool, then a
+    deterministic write into each request's state from its tokens, so that a state copied
+    from the wrong node shows in the comparison.  ``mamba_cache_chunk_size`` is published
+    in the ServerArgs, as a model's config would give it.
+    """
+
+    is_hybrid_ssm = True
+
+    def __init__(self, cache_kind: str, *, mamba_size: int, chunk_size: int, **kw: Any):
+        self.mamba_size = mamba_size
+        self.chunk_size = chunk_size
+        self.admitted: set[str] = set()
+        self.publish(get_server_args())
+        super().__init__(cache_kind, **kw)
+
+    def publish(self, server_args: Any) -> None:
+        server_args._mamba_cache_chunk_size = self.chunk_size
+
+    @staticmethod
+    def state_shape() -> Any:
+        """The model shape SGLang's ``MambaPool`` reads: one small conv and one temporal state per layer."""
+        return types.SimpleNamespace(
+            shape=types.SimpleNamespace(conv=[(6, 3)], temporal=(2, 4, 4), disable_conv_window_dedup=True),
+            dtype=types.SimpleNamespace(conv=torch.float32, temporal=torch.float32), is_kda=False,
+        )
+
+    def make_req_to_token_pool(self, rows: int, width: int) -> Any:
+        return HybridReqToTokenPool(
+            size=rows, mamba_size=self.mamba_size, mamba_spec_state_size=self.mamba_size, max_context_len=width,
+            device="cpu", enable_memory_saver=False, cache_params=self.state_shape(), mamba_layer_ids=[0, 1],
+            enable_mamba_extra_buffer=False, enable_overlap_schedule=True,
+        )
+
+    def sglang_cache(self, cache_kind: str, init: Any) -> Any:
+        assert cache_kind == "mamba", cache_kind
+        return MambaRadixCache(init)
+
+    def room(self) -> int:
+        return self.alloc.available_size() + self.cache.full_evictable_size()
+
+    def admit(self, rid: str) -> list[int]:
+        self.admitted.add(rid)
+        return super().admit(rid)
+
+    def match_waiting(self, rid: str) -> tuple:
+        """The scheduler's match of a waiting request it then leaves waiting (no lock; a state slot may stay)."""
+        req = self.reqs[rid]
+        req.init_next_round_input(self.cache)
+        return req.prefix_indices.tolist(), req.mamba_branching_seqlen
+
+    def forward(self, reqs: list[Req], tokens: list) -> None:
+        batch = types.SimpleNamespace()
+        ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, reqs)
+        pool = self.r2t.mamba_pool
+        if batch.mamba_cow_src_indices is not None:
+            pool.copy_from(batch.mamba_cow_src_indices, batch.mamba_cow_dst_indices)
+        if batch.mamba_clear_indices is not None:
+            pool.clear_slots(batch.mamba_clear_indices)
+        cache = pool.mamba_cache
+        for req, toks in zip(reqs, tokens):
+            idx = req.kv.mamba_pool_idx.reshape(1).to(torch.int64)
+            cache.temporal[:, idx] = cache.temporal[:, idx] * 0.5 + float(sum(toks) % 97)
+            cache.conv[0][:, idx] += len(toks)
+
+    def finish(self, rid: str, is_insert: bool = True) -> None:
+        req = self.reqs[rid]
+        admitted = rid in self.admitted
+        self.admitted.discard(rid)
+        if req.kv.holds_kv:
+            super().finish(rid, is_insert)
+            return
+        self.reqs.pop(rid)
+        if admitted:
+            self.cache.dec_lock_ref(req.last_node)
+        # A state slot taken by a match before any KV: SGLang's release gives it back.
+        release_kv_cache(req, self.cache, is_insert=is_insert)
+
+    def retract(self, rid: str, remaining: int) -> None:
+        super().retract(rid, remaining)
+        self.admitted.discard(rid)
+
+    def evict(self, n: int, mamba_n: int = 0) -> Any:
+        done = self.cache.evict(EvictParams(num_tokens=n, mamba_num=mamba_n))
+        return done.num_tokens_evicted, done.mamba_num_evicted
+
+    def req_state(self, r: Req) -> tuple:
+        kv = r.kv
+        idx = None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx)
+        src = None if kv.mamba_cow_src_index is None else kv.mamba_cow_src_index.tolist()
+        return (*super().req_state(r), idx, src, kv.mamba_needs_clear, r.mamba_branching_seqlen)
+
+    def pool_state(self) -> dict:
+        c = self.cache
+        cache = self.r2t.mamba_pool.mamba_cache
+        return {
+            **super().pool_state(),
+            "mamba_free": self.r2t.mamba_allocator.free_slots.tolist(),
+            "sizes": (c.full_evictable_size(), c.full_protected_size(), c.mamba_evictable_size(),
+                      c.mamba_protected_size()),
+            "states": (cache.temporal.tolist(), cache.conv[0].tolist()),
+        }
+
+    def state(self) -> dict:
+        out = super().state()
+        # SGLang's MambaRadixCache answers the plain sizes by raising: the four above stand for them.
+        del out["evictable"], out["protected"]
+        out["total"] = self.cache.total_size()
+        return out
+
+    def dump_tree(self) -> list:
+        return mamba_tree_dump(self.cache.root_node)
+
+    def uncached(self) -> tuple[int, int]:
+        full, _ = super().uncached()
+        return full, sum(1 for r in self.reqs.values() if r.kv.holds_mamba)
+
+    def check_memory(self) -> None:
+        c, r2t = self.cache, self.r2t
+        full_uncached, states_held = self.uncached()
+        for leak, msg in (
+            SchedulerInvariantChecker._check_pool_invariant(
+                "full", self.alloc.available_size(), c.full_evictable_size(), c.full_protected_size(), 0,
+                self.size, full_uncached),
+            SchedulerInvariantChecker._check_pool_invariant(
+                "mamba", r2t.mamba_allocator.available_size(), c.mamba_evictable_size(), c.mamba_protected_size(),
+                0, r2t.mamba_pool.size, states_held),
+        ):
+            assert not leak, msg
+        if not c.disable and not any(r.kv.holds_kv or r.rid in self.admitted for r in self.reqs.values()):
+            # SGLang's tree check is an idle one (no node locked).
+            c.sanity_check()
+        self.check_kvcore()
+
+    def idle(self) -> bool:
+        c, r2t = self.cache, self.r2t
+        return (self.alloc.available_size() + c.full_evictable_size() == self.size
+                and r2t.mamba_allocator.available_size() + c.mamba_evictable_size() == r2t.mamba_pool.size)
+
+
+def mamba_tree_dump(root: Any) -> list:
+    """Every node of a Mamba tree (SGLang's or kvcore-mamba's): (path, slots, full lock, state lock, state), sorted."""
+    out = []
+    stack = [((), root)]
+    while stack:
+        path, node = stack.pop()
+        key = list(node.key.token_ids) if isinstance(node.key, RadixKey) else list(node.key)
+        full = path + tuple(key)
+        value = [] if node.value is None or isinstance(node.value, list) else node.value.tolist()
+        lock = node.full_lock_ref if hasattr(node, "full_lock_ref") else node.lock_ref
+        state = None if node.mamba_value is None else node.mamba_value.tolist()
+        out.append((full, value, None if node is root else lock, None if node is root else node.mamba_lock_ref,
+                    state))
+        for child in node.children.values():
+            stack.append((full, child))
+    return sorted(out, key=repr)
+
+
 def full_total(cache: Any) -> int:
     total = cache.total_size()
     # SGLang's UnifiedRadixCache answers (full, swa) tokens.
@@ -482,12 +664,13 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
     ours = world(cache_kind, kvcore_name=kvcore_name, **kw)
     worlds = (ref, ours)
     windowed = isinstance(ref, SWAWorld)
+    stateful = isinstance(ref, MambaWorld)
     prompts = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 48))] for _ in range(6)]
     waiting: list[str] = []   # admitted next
     prefilling: dict[str, int] = {}   # rid -> chunk size
     running: list[str] = []
     counts = dict.fromkeys(["admit", "chunk", "decode", "finish", "abort", "retract", "evict", "probe", "pressure",
-                            "alloc_evict", "window_free", "window_lock"], 0)
+                            "alloc_evict", "window_free", "window_lock", "match_waiting"], 0)
     next_id = 0
 
     def both(method: str, *args: Any) -> Any:
@@ -510,6 +693,8 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             "abort": 0.6 if live else 0,
             "evict": 0.4,
             "probe": 0.8,
+            # Last, so that streams of the other worlds draw exactly as before.
+            "match_waiting": 0.8 if stateful and waiting else 0,
         }
         op = rng.choices(list(weights), weights=list(weights.values()))[0]
         if op == "new":
@@ -596,9 +781,14 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             n = rng.randrange(0, 3 * page_size * 4)
             if windowed:
                 both("evict", n, rng.choice([0, 0, rng.randrange(0, 3 * page_size * 4)]))
+            elif stateful:
+                both("evict", n, rng.choice([0, 0, rng.randrange(0, 4)]))
             else:
                 both("evict", n)
             counts["evict"] += 1
+        elif op == "match_waiting":
+            both("match_waiting", rng.choice(waiting))
+            counts["match_waiting"] += 1
         else:
             base = rng.choice(prompts)
             both("probe", base[: rng.randrange(0, len(base) + 1)], rng.choice([None, "lora-a"]),
@@ -615,7 +805,7 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
         for w in worlds:
             w.check_memory()
     # Drain: everything finishes, the pools hold only the tree, and SGLang's idle check holds exactly.
-    for rid in sorted(prefilling) + running:
+    for rid in sorted(prefilling) + running + (waiting if stateful else []):
         both("finish", rid, False)
     for w in worlds:
         w.check_memory()

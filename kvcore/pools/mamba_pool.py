@@ -13,6 +13,7 @@ a streaming session that adopts the record adopts the state slot with it.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from kvcore.pools.allocator import TokenToKVPoolAllocator
 from kvcore.pools.req_to_token import ReqToTokenPool
 
 __all__ = ["COMPONENT", "MambaPool", "MambaState", "MambaReqState", "HybridReqToTokenPool", "MambaRequestStates",
-           "MambaStateOptions", "mamba_state_of"]
+           "MambaRequestTable", "MambaStateOptions", "mamba_state_of"]
 
 #: The key of the per-request state in ``ReqKvInfo.components``.
 COMPONENT = "mamba"
@@ -161,7 +162,35 @@ class MambaPool:
         self.mamba_cache.temporal[:, idx] = 0
 
 
-class HybridReqToTokenPool(ReqToTokenPool):
+class MambaRequestTable(abc.ABC):
+    """What a Mamba tree needs of its request table, declared by the tables that have it.
+
+    kvcore's :class:`HybridReqToTokenPool` is one; an engine's own table can be another
+    (kvcore-sglang's view of SGLang's ``HybridReqToTokenPool``), by subclassing this.  The
+    trees check ``isinstance(r2t, MambaRequestTable)``: a capability declared, not probed.
+
+    ``req_to_token`` (rows of full-pool slots); ``extra_buffer`` (SGLang's
+    ``enable_mamba_extra_buffer``: ping-pong tracking slots per request); ``mamba_pool``
+    (``alloc`` / ``free`` / ``available_size`` / ``size`` of state slots, ``copy_from`` /
+    ``clear_slots`` / ``mamba_cache`` of their contents); ``mamba_allocator`` (the same slots
+    as a pool the invariant checker and the strict claims read); ``free_mamba_cache(kv,
+    keep)``.  ``evict_states`` and ``prepare_state`` are set by the tree: a table that hands
+    out state slots itself (kvcore's) calls them when slots run short and on each new slot.
+    """
+
+    # req_to_token is the table's own (a tensor attribute or property of every request table).
+    extra_buffer: bool
+    mamba_pool: Any
+    mamba_allocator: Any
+    evict_states: Callable[[int], Any] | None
+    prepare_state: Callable[[Any], None] | None
+
+    @abc.abstractmethod
+    def free_mamba_cache(self, kv: Any, keep: int | None = None) -> None:
+        """Give back the state slots ``kv`` holds, except ping-pong position ``keep`` (the tree took it)."""
+
+
+class HybridReqToTokenPool(ReqToTokenPool, MambaRequestTable):
     """A req_to_token row and a state slot per request (SGLang's ``HybridReqToTokenPool``).
 
     ``alloc(reqs)`` gives every request that holds no row a row, and every one that holds no
@@ -302,7 +331,7 @@ class MambaRequestStates:
     ``state_clears``, ``state_snapshots``, ``snapshot_skips``.
     """
 
-    def __init__(self, r2t: HybridReqToTokenPool, *, page_size: int, chunk_size: int, track_interval: int,
+    def __init__(self, r2t: MambaRequestTable, *, page_size: int, chunk_size: int, track_interval: int,
                  evict_states: Callable[[int], Any]) -> None:
         self.r2t = r2t
         self.pool = r2t.mamba_pool

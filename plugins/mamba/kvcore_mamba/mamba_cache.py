@@ -39,7 +39,7 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams
 from kvcore.keys import KeyLike, RadixKey
-from kvcore.pools.mamba_pool import HybridReqToTokenPool, MambaReqState, MambaRequestStates, mamba_state_of
+from kvcore.pools.mamba_pool import MambaReqState, MambaRequestStates, MambaRequestTable, mamba_state_of
 from kvcore.pools.views import PoolView
 from kvcore.tree import (
     AllPagesCleared,
@@ -120,8 +120,9 @@ class MambaRadixCache(BasePrefixCache):
     def __init__(self, params: CacheInitParams):
         config = cast(MambaConfig, params.config)
         r2t = params.req_to_token_pool
-        if not isinstance(r2t, HybridReqToTokenPool):
-            raise TypeError(f"the mamba backend needs a HybridReqToTokenPool, got {type(r2t).__name__}")
+        if not isinstance(r2t, MambaRequestTable):
+            raise TypeError(f"the mamba backend needs a request table with state slots (a HybridReqToTokenPool), "
+                            f"got {type(r2t).__name__}")
         super().__init__(params)
         self.config = config
         self.req_to_token_pool = r2t

@@ -35,7 +35,11 @@ from sglang.srt.disaggregation.kv_events import (  # type: ignore[import-not-fou
     StorageMedium,
 )
 from sglang.srt.environ import envs  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.allocator.paged import (  # type: ignore[import-not-found,unused-ignore]
+    PagedTokenToKVPoolAllocator,
+)
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-found,unused-ignore]
     BasePrefixCache,
     DecLockRefParams,
@@ -56,6 +60,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[
     ComponentType,
 )
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.runtime_context import mamba_cache_chunk_size  # type: ignore[import-not-found,unused-ignore]
 
 import kvcore
 from kvcore.cache import LockResult
@@ -64,6 +69,8 @@ from kvcore.factory import attach_lifecycle
 from kvcore.plugins import get_backend, get_plugin_manager
 from kvcore.pools.array_ops import ops_for
 from kvcore.pools.claims import SlotOwnership
+from kvcore.pools.mamba_pool import COMPONENT as MAMBA
+from kvcore.pools.mamba_pool import MambaReqState, MambaRequestTable, mamba_state_of
 from kvcore.pools.views import PoolView
 from kvcore.record import ReqKvInfo
 from kvcore.tree.events import AllPagesCleared, PageRemoved, PageStored
@@ -72,6 +79,10 @@ from kvcore_sglang.config import Target
 __all__ = [
     "AllocatorView",
     "KvRecordView",
+    "MambaStatePoolView",
+    "MambaStateView",
+    "HybridReqToTokenPoolView",
+    "KvcoreMambaTreeCache",
     "KvcoreSWATreeCache",
     "KvcoreTreeCache",
     "KvcoreUnifiedSWATreeCache",
@@ -121,12 +132,11 @@ class _SGLangPages:
         return s // self.page_size
 
 
-class _AllocatorCalls:
-    """The calls a kvcore backend makes on a token allocator, each answered by SGLang's own (``self.sglang``).
+class _TreeClaims:
+    """kvcore's strict slot checks over one of SGLang's pools (``claims``: which slots tree nodes own).
 
-    ``claims`` is the full pool's ownership record (kvcore's strict slot checks): a free
-    refuses, before SGLang frees anything, a slot a tree node still owns (use after free).
-    With ``strict=False`` nothing is ever claimed and the check finds nothing.
+    A free refuses, before SGLang frees anything, a slot a tree node still owns (use
+    after free).  With ``strict=False`` nothing is ever claimed and the check finds nothing.
     """
 
     sglang: Any
@@ -154,6 +164,13 @@ class _AllocatorCalls:
     def claimed_slots(self) -> torch.Tensor:
         claimed = self.claims.claimed()
         return torch.empty(0, dtype=torch.int64) if claimed is None else self.ops.tensor(claimed)
+
+
+class _AllocatorCalls(_TreeClaims):
+    """The calls a kvcore backend makes on a token allocator, each answered by SGLang's own (``self.sglang``).
+
+    ``claims`` is the full pool's ownership record.
+    """
 
     def available_size(self) -> int:
         return int(self.sglang.available_size())
@@ -312,6 +329,102 @@ class ReqToTokenPoolView:
         return row is not None and 1 <= int(row) <= int(self.sglang.size) and int(row) not in self.sglang.free_slots
 
 
+class _SGLangStateSlots:
+    """What kvcore's :class:`~kvcore.pools.claims.SlotOwnership` reads of SGLang's ``MambaSlotAllocator``."""
+
+    page_size = 1
+
+    def __init__(self, allocator: Any, ops: Any):
+        self.sglang = allocator
+        self.size = int(allocator.size)
+        self.ops = ops
+
+    @property
+    def free(self) -> Any:
+        """Per slot id (0 is padding): non-zero where SGLang's allocator holds the slot free."""
+        a = self.sglang
+        mask = torch.zeros(self.size + 1, dtype=torch.int32, device=a.free_slots.device)
+        mask[a.free_slots.to(torch.int64)] = 1
+        return self.ops.view(mask)
+
+    def page_ids(self, s: Any) -> Any:
+        return s
+
+
+class MambaStatePoolView(_TreeClaims):
+    """kvcore's state pool and its slot allocator over SGLang's ``MambaPool`` and ``MambaSlotAllocator``.
+
+    kvcore-mamba takes and gives back state slots with SGLang's own ``alloc`` / ``free``
+    (so the free list is SGLang's, in its order) and copies and zeroes states with
+    SGLang's ``copy_from`` / ``clear_slots`` on the pool the model's Mamba layers read.
+    One object answers both of kvcore's roles, ``mamba_pool`` and ``mamba_allocator``.
+    """
+
+    page_size = 1
+
+    def __init__(self, r2t: Any):
+        self.sglang = r2t.mamba_allocator
+        self.states = r2t.mamba_pool
+        self.device = self.sglang.device
+        self.size = self.num_pages = int(self.sglang.size)
+        self.ops = ops_for(self.device)
+        self.claims = SlotOwnership(cast(Any, _SGLangStateSlots(self.sglang, self.ops)), self.device)
+
+    @property
+    def mamba_cache(self) -> Any:
+        """SGLang's state tensors (``conv`` list, ``temporal``), as kvcore's retraction backups read them."""
+        return self.states.mamba_cache
+
+    def available_size(self) -> int:
+        return int(self.sglang.available_size())
+
+    def free_slots(self) -> torch.Tensor:
+        return self.sglang.free_slots.to(torch.int64).cpu()
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self.sglang.alloc(need_size)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        self.sglang.free(self._unclaimed(free_index.reshape(-1)))
+
+    def copy_from(self, src_indices: torch.Tensor, dst_indices: torch.Tensor) -> None:
+        self.states.copy_from(src_indices.reshape(-1), dst_indices.reshape(-1))
+
+    def clear_slots(self, indices: torch.Tensor) -> None:
+        self.states.clear_slots(indices.reshape(-1))
+
+
+class HybridReqToTokenPoolView(ReqToTokenPoolView, MambaRequestTable):
+    """kvcore's request table with state slots over SGLang's ``HybridReqToTokenPool``.
+
+    SGLang's own ``alloc`` (called by its ``alloc_req_slots``) gives a request its row and
+    state slot, so kvcore's admission hooks (``evict_states``, ``prepare_state``) are never
+    called here; ``free_mamba_cache`` is SGLang's, which also keeps its device-side map.
+    """
+
+    def __init__(self, pool: Any):
+        super().__init__(pool)
+        self.mamba_pool = self.mamba_allocator = MambaStatePoolView(pool)
+        self.extra_buffer = bool(pool.enable_mamba_extra_buffer)
+        self.evict_states = None
+        self.prepare_state = None
+
+    def free_mamba_cache(self, kv: Any, keep: int | None = None) -> None:
+        state = mamba_state_of(kv)
+        if state is not None:
+            self.mamba_allocator._unclaimed(state.slots())
+        self.sglang.free_mamba_cache(_RecordHolder(kv.sglang), mamba_ping_pong_track_buffer_to_keep=keep)
+
+
+class _RecordHolder:
+    """What SGLang's pool methods read of a ``Req``: its ``kv`` record."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self, kv: Any):
+        self.kv = kv
+
+
 # ---------------------------------------------------------------------------- record views
 
 
@@ -378,6 +491,11 @@ class KvRecordView:
     def swa_dead_lo(self, page_size: int) -> int:
         return int(self.sglang.swa_dead_lo(page_size))
 
+    @property
+    def components(self) -> dict[str, Any]:
+        """kvcore's per-backend parts of the record: SGLang's record holds the Mamba fields of every request."""
+        return {MAMBA: MambaStateView(self.sglang)}
+
     # kvcore's one check of a record's lengths (BasePrefixCache.check_req), on SGLang's record.
     check_fields = ReqKvInfo.check_fields
 
@@ -391,6 +509,51 @@ class KvRecordView:
 
     def mark_released(self) -> None:
         self.sglang.mark_kv_released()
+
+
+def _record_field(name: str) -> Any:
+    """A field of SGLang's ``ReqKvInfo`` under the same name, written through."""
+    return property(lambda self: getattr(self.sglang, name), lambda self, value: setattr(self.sglang, name, value),
+                    doc=f"SGLang's ``ReqKvInfo.{name}``")
+
+
+#: A field of kvcore's record that SGLang's does not keep: reads None, writes are dropped.
+_NOT_KEPT: Any = property(lambda self: None, lambda self, value: None)
+
+
+class MambaStateView:
+    """The Mamba fields of SGLang's ``ReqKvInfo`` as kvcore's :class:`~kvcore.pools.mamba_pool.MambaReqState`.
+
+    The names are SGLang's (kvcore kept them), written through.  Three of kvcore's fields
+    have no SGLang counterpart on the record: ``mamba_branching_seqlen`` lives on the view
+    only (SGLang's ``Req`` takes it from the ``MatchResult``); ``mamba_tracked_len`` (kvcore's
+    replay of the scheduler's tracking; SGLang's scheduler tracks itself) and ``cow_node``
+    (kvcore's own admission; SGLang copies from ``mamba_cow_src_index`` in the forward) are
+    not kept.
+    """
+
+    __slots__ = ("sglang", "mamba_branching_seqlen")
+
+    mamba_pool_idx = _record_field("mamba_pool_idx")
+    mamba_cow_src_index = _record_field("mamba_cow_src_index")
+    mamba_needs_clear = _record_field("mamba_needs_clear")
+    mamba_ping_pong_track_buffer = _record_field("mamba_ping_pong_track_buffer")
+    mamba_next_track_idx = _record_field("mamba_next_track_idx")
+    mamba_last_track_idx = _record_field("mamba_last_track_idx")
+    mamba_last_track_seqlen = _record_field("mamba_last_track_seqlen")
+    mamba_tracked_len = _NOT_KEPT
+    cow_node = _NOT_KEPT
+
+    def __init__(self, kv: Any):
+        self.sglang = kv
+        self.mamba_branching_seqlen: int | None = None
+
+    @property
+    def holds_mamba(self) -> bool:
+        return bool(self.sglang.holds_mamba)
+
+    slots = MambaReqState.slots
+    clear_tracking = MambaReqState.clear_tracking
 
 
 def namespace(extra_key: str | None, cache_salt: str | None) -> Any:
@@ -407,7 +570,7 @@ class ReqView:
 
     __slots__ = ("sglang", "kv", "fill_ids", "_locks")
 
-    def __init__(self, req: Any, fill_ids: Any, committed: int, locks: weakref.WeakKeyDictionary):
+    def __init__(self, req: Any, fill_ids: Any, committed: int | None, locks: weakref.WeakKeyDictionary):
         self.sglang = req
         self.kv = KvRecordView(req.kv, committed)
         self.fill_ids = fill_ids.tolist() if isinstance(fill_ids, array) else list(fill_ids)
@@ -847,6 +1010,90 @@ class KvcoreUnifiedSWATreeCache(KvcoreSWATreeCache):
                 f"Available swa: {swa + swa_ev} (available_size={swa} + component_evictable_size_={swa_ev})\n")
 
 
+class KvcoreMambaTreeCache(KvcoreTreeCache):
+    """SGLang 0.5.19's ``MambaRadixCache`` contract answered by kvcore-mamba on SGLang's ``HybridReqToTokenPool``.
+
+    On top of the base: ``supports_mamba``, the admission match's copy-on-write
+    (``MatchPrefixParams.cow_mamba`` with ``req``: a state slot for the request and
+    ``mamba_cow_src_index`` on its record, copied by the forward) and
+    ``mamba_branching_seqlen``, two-pool eviction (``EvictParams.mamba_num``), the
+    full/mamba sizes and ``total_size() -> (full tokens, states)``.  Locks answer empty
+    results, as SGLang's do.  The request's state fields are SGLang's own ``ReqKvInfo``
+    fields, read and written by the kvcore tree through :class:`MambaStateView`.
+    """
+
+    def supports_mamba(self) -> bool:
+        return True
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        req = params.req
+        cow = bool(params.cow_mamba) and req is not None
+        # SGLang's scheduler matches a waiting request again each round; one that kept its state
+        # slot from an earlier match is only pointed at the new source (SGLang's match does that).
+        rematch = cow and bool(req.kv.holds_mamba)
+        view = self.req_view(req, (), None, self._locks) if cow and not rematch else None
+        found = self.kvcore_cache.match_prefix(self._key(params.key), cow_mamba=view is not None, req=view)
+        node = found.last_device_node
+        if rematch and node.mamba_value is not None:
+            req.kv.mamba_cow_src_index = node.mamba_value
+            req.kv.mamba_needs_clear = False
+        return MatchResult(device_indices=found.device_indices, last_device_node=node, last_host_node=node,
+                           best_match_node=node, mamba_branching_seqlen=found.mamba_branching_seqlen)
+
+    # -- eviction and locks
+    def evict(self, params: EvictParams) -> EvictResult:
+        # SGLang's MambaRadixCache records no eviction metrics.
+        done = self.kvcore_cache.evict(params.num_tokens, mamba_num=params.mamba_num)
+        self._flush_events()
+        return EvictResult(num_tokens_evicted=done.num_tokens_evicted, mamba_num_evicted=done.mamba_num_evicted)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        self.kvcore_cache.inc_lock_ref(node)
+        return IncLockRefResult()
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        self.kvcore_cache.dec_lock_ref(node)
+        return DecLockRefResult()
+
+    # -- sizes (SGLang's MambaRadixCache raises for the plain ones; the full side is answered)
+    def full_evictable_size(self) -> int:
+        return int(self.kvcore_cache.full_evictable_size())
+
+    def mamba_evictable_size(self) -> int:
+        return int(self.kvcore_cache.mamba_evictable_size())
+
+    def full_protected_size(self) -> int:
+        return int(self.kvcore_cache.full_protected_size())
+
+    def mamba_protected_size(self) -> int:
+        return int(self.kvcore_cache.mamba_protected_size())
+
+    def total_size(self) -> Any:
+        return int(self.kvcore_cache.total_size()), self.mamba_evictable_size() + self.mamba_protected_size()
+
+    def sanity_check(self) -> None:
+        if not self.disable:
+            self.kvcore_cache.sanity_check()
+
+    # -- what SGLang's leak diagnosis (the scheduler's watchdog dump) reads
+    def all_values_flatten(self) -> torch.Tensor:
+        return self._tree_slots("full")
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        return self._tree_slots("mamba")
+
+    def _tree_slots(self, pool: str) -> torch.Tensor:
+        parts = [owned.slots.reshape(-1) for owned in self.kvcore_cache.iter_owned_slots() if owned.pool == pool]
+        return torch.cat(parts) if parts else torch.tensor([])
+
+    def available_and_evictable_str(self) -> str:
+        full = self.token_to_kv_pool_allocator.available_size()
+        return (f"Available full tokens: {full + self.full_evictable_size()} ({full=} + "
+                f"full_evictable_size={self.full_evictable_size()})\n"
+                f"Available mamba states: {self.req_to_token_pool.mamba_allocator.available_size()} + "
+                f"mamba_evictable_size={self.mamba_evictable_size()}\n")
+
+
 # ---------------------------------------------------------------------------- factories
 
 
@@ -921,7 +1168,8 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
         config = spec.config(page_size=page_size, **options)
         # SGLang's tree-only RadixCache (its unit tests) has no pools: the radix backend serves it without.
         init = CacheInitParams(
-            req_to_token_pool=cast(Any, None if r2t is None else ReqToTokenPoolView(r2t)),
+            req_to_token_pool=cast(Any, None if r2t is None else HybridReqToTokenPoolView(r2t)
+                                   if isinstance(r2t, HybridReqToTokenPool) else ReqToTokenPoolView(r2t)),
             token_to_kv_pool_allocator=cast(
                 Any, None if alloc is None else SWAAllocatorView(alloc) if swa else AllocatorView(alloc)
             ),
@@ -960,6 +1208,39 @@ def _swa_options(target: Target, params: Any) -> dict[str, int]:
             "sliding_window_size": int(params.sliding_window_size)}
 
 
+def _build_mamba(target: Target, params: Any) -> Any:
+    """kvcore-mamba on SGLang's ``HybridReqToTokenPool`` (its ``MambaPool`` and slot allocator) and token allocator."""
+    r2t, alloc = params.req_to_token_pool, params.token_to_kv_pool_allocator
+    name = f"--radix-cache-backend {target.name}"
+    # Exactly SGLang's static pools: the unified (shared-memory) variants hand out virtual state ids.
+    if type(r2t) is not HybridReqToTokenPool:
+        raise UnsupportedContext(f"{name}: needs SGLang's HybridReqToTokenPool (a request row and a Mamba state "
+                                 f"slot per request), got {type(r2t).__name__}")
+    if type(alloc) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
+        raise UnsupportedContext(f"{name}: needs SGLang's TokenToKVPoolAllocator or PagedTokenToKVPoolAllocator, "
+                                 f"got {type(alloc).__name__}")
+    if r2t.enable_mamba_extra_buffer or params.enable_mamba_extra_buffer:
+        raise UnsupportedContext(f"{name}: the extra-buffer Mamba strategy (--mamba-scheduler-strategy "
+                                 "extra_buffer, page size > 1) is not served yet: use --mamba-scheduler-strategy "
+                                 "no_buffer with --page-size 1")
+    if r2t.mamba_ckpt_pool is not None:
+        raise UnsupportedContext(f"{name}: int8 Mamba checkpoints (--enable-int8-mamba-checkpoint) are not "
+                                 "supported by kvcore (drop the flag)")
+    if r2t.mamba_pool.replayssm_write_pos is not None:
+        raise UnsupportedContext(f"{name}: ReplaySSM (--enable-linear-replayssm) is not supported by kvcore "
+                                 "(drop the flag)")
+    return _build_kvcore(
+        target, "mamba", params,
+        mamba_size=int(r2t.mamba_allocator.size),
+        # SGLang's caching point granularity, as its MambaRadixCache reads it.
+        mamba_cache_chunk_size=int(mamba_cache_chunk_size()),
+        eviction_policy=str(params.eviction_policy).lower(),
+        enable_kv_events=bool(params.enable_kv_cache_events),
+        disable=bool(params.disable),
+        strict=strict_slots(),
+    )
+
+
 def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
     """The factory behind every kvcore name: refuse what cannot be served, else build on SGLang's pools."""
     _refuse(target, ctx)
@@ -967,7 +1248,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
     if target.backend == "radix":
         if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: a HybridReqToTokenPool (mamba states) "
-                                     "is not served by kvcore-sglang yet (kvcore-mamba is not registered)")
+                                     "on a model not marked hybrid SSM")
         cache = _build_kvcore(
             target, "radix", params,
             eviction_policy=str(params.eviction_policy).lower(),
@@ -1008,6 +1289,8 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             strict=strict_slots(),
         )
         return KvcoreSWATreeCache(target, cache, params)
+    elif target.backend == "mamba":
+        return KvcoreMambaTreeCache(target, _build_mamba(target, params), params)
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")

@@ -263,3 +263,99 @@ def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):
         monkeypatch.setenv("KVCORE_SGLANG_STRICT", "yes")
         with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
             create_tree_cache(make_ctx(server_args))
+
+
+def make_mamba_ctx(server_args, *, rows=4, mamba_size=8, size=64, extra_buffer=False, hybrid_ssm=True, **params):
+    """A hybrid SSM model's context: SGLang's HybridReqToTokenPool (a MambaPool of two small layers)."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from tools.sglang_request_path_shim import MambaWorld
+
+    server_args._mamba_cache_chunk_size = 4
+    r2t = HybridReqToTokenPool(
+        size=rows, mamba_size=mamba_size, mamba_spec_state_size=mamba_size, max_context_len=32, device="cpu",
+        enable_memory_saver=False, cache_params=MambaWorld.state_shape(), mamba_layer_ids=[0, 1],
+        enable_mamba_extra_buffer=extra_buffer, enable_overlap_schedule=True,
+    )
+    alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
+    init = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1,
+                           enable_mamba_extra_buffer=extra_buffer, **params)
+    return TreeCacheBuildContext(
+        server_args=server_args, params=init, is_hybrid_swa=False, is_hybrid_ssm=hybrid_ssm,
+        enable_hierarchical_cache=False, disable_radix_cache=False, effective_chunked_prefill_size=None,
+        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None,
+    )
+
+
+def test_create_tree_cache_builds_kvcore_mamba_on_sglangs_hybrid_pool(caplog):
+    from kvcore_sglang.v0_5_19 import KvcoreMambaTreeCache
+
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+        ctx = make_mamba_ctx(server_args)
+        with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
+            cache = create_tree_cache(ctx)
+    assert isinstance(cache, KvcoreMambaTreeCache) and "source=registered('kvcore-mamba')" in caplog.text
+    assert cache.supports_mamba() and not cache.supports_swa() and not cache.is_chunk_cache()
+    backend = cache.kvcore_cache
+    r2t = ctx.params.req_to_token_pool
+    assert backend.req_to_token_pool.sglang is r2t and backend.mamba_pool.sglang is r2t.mamba_allocator
+    assert backend.mamba_cache_chunk_size == 4     # SGLang's mamba_cache_chunk_size(), as its own cache reads it
+    assert cache.total_size() == (0, 0)
+    assert cache.full_evictable_size() == cache.mamba_evictable_size() == cache.mamba_protected_size() == 0
+    kvcore.InvariantChecker(backend).check(owners=[])
+
+
+@pytest.mark.parametrize(
+    ("ctx_options", "says"),
+    [
+        ({"extra_buffer": True}, "extra-buffer Mamba strategy"),
+        ({"eviction_policy": "lfu"}, "only 'lru' applies"),
+        ({"is_eagle": True}, "EAGLE speculative decoding"),
+        ({"hybrid_ssm": False}, "full model, which kvcore-mamba does not serve"),
+    ],
+)
+def test_kvcore_mamba_refuses_what_it_cannot_serve(ctx_options, says):
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+        ctx = make_mamba_ctx(server_args, **ctx_options)
+        with pytest.raises(UnsupportedContext, match=says):
+            create_tree_cache(ctx)
+    assert ctx.params.token_to_kv_pool_allocator.available_size() == 64
+    assert ctx.params.req_to_token_pool.mamba_allocator.available_size() == 8
+    # A hybrid SSM model without SGLang's hybrid request table.
+    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+        with pytest.raises(UnsupportedContext, match="needs SGLang's HybridReqToTokenPool"):
+            create_tree_cache(make_ctx(server_args, hybrid_ssm=True))
+
+
+@pytest.mark.usefixtures("sglang_request_path")
+def test_kvcore_mamba_strict_refuses_a_free_state_slot_and_changes_nothing(monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: a finishing request whose state slot SGLang's allocator holds free is refused."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.common import release_kv_cache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+        ctx = make_mamba_ctx(server_args)
+        cache = create_tree_cache(ctx)
+    alloc, r2t = ctx.params.token_to_kv_pool_allocator, ctx.params.req_to_token_pool
+    req = Req("r", "", array("q", [1, 2, 3, 4]), SamplingParams())
+    req.last_node = cache.root_node
+    req.kv.req_pool_idx = r2t.alloc([req])[0]          # SGLang's: a row and a state slot
+    r2t.req_to_token[req.kv.req_pool_idx, :4] = alloc.alloc(4).to(torch.int32)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = 4
+    held = req.kv.mamba_pool_idx
+    req.kv.mamba_pool_idx = torch.tensor(8)            # a state slot SGLang's allocator still holds free
+    before = (alloc.free_pages.tolist(), r2t.mamba_allocator.free_slots.tolist())
+    with pytest.raises(ValueError, match="slot 8 is free"):
+        cache.cache_finished_req(req, kv_len_to_handle=4)
+    assert (alloc.free_pages.tolist(), r2t.mamba_allocator.free_slots.tolist()) == before
+    assert cache.total_size() == (0, 0)
+    req.kv.mamba_pool_idx = held
+    cache.inc_lock_ref(cache.root_node)   # what admission took; cache_finished_req gives it back
+    release_kv_cache(req, cache)           # SGLang's release: cache_finished_req, then the row
+    assert cache.total_size() == (4, 1) and not req.kv.holds_mamba   # the tree took the state slot
+    kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])

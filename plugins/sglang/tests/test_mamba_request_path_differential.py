@@ -1,0 +1,61 @@
+"""kvcore-mamba against SGLang 0.5.19's ``MambaRadixCache``, through SGLang's own request path.
+
+Two worlds, each with SGLang's own pools (``HybridReqToTokenPool`` over a ``MambaPool`` of
+two small layers and its ``MambaSlotAllocator``, a ``TokenToKVPoolAllocator``), run one
+seeded stream (``tools/sglang_request_path_shim.py``, :class:`MambaWorld`): admit with the
+copy-on-write match (``Req.init_next_round_input``: a state slot and ``mamba_cow_src_index``),
+a waiting request matched again while it keeps its slot, chunked prefill (each chunk's state
+snapshot copied into the tree), decode, finish, abort (before and after the first chunk),
+retract, explicit two-pool eviction and eviction under memory pressure (``alloc_req_slots``
+evicting states, ``_alloc_mamba_slot``).  The forward runs SGLang's own
+``_collect_deferred_mamba_cow_and_clear`` and the copies and clears it asks for, then writes
+each request's state from its tokens.  After every step both must agree on every answer
+(matched slots, ``mamba_branching_seqlen``, evict counts), both free lists, the four sizes and
+``total_size()``, the state tensors of every slot, every record (row, lengths, state slot,
+copy-on-write source, clear mark), the tree (slots, both locks, states) and the KV events;
+SGLang's pool checks (full and mamba) and the tree's sanity check must hold in both worlds,
+and kvcore's ``InvariantChecker`` in the kvcore world.
+
+Served: SGLang's no-buffer strategy (page size 1).  The extra-buffer strategy is refused
+(``test_registration.py``).  Stubbed (CPU only): ``write_cache_indices`` and the model
+forward, as in ``test_request_path_differential.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tools.sglang_request_path_shim import MambaWorld, run_stream
+
+pytestmark = pytest.mark.usefixtures("sglang_request_path")
+
+# full pool, state slots, mamba_cache_chunk_size
+CONFIGS = [(112, 20, 4), (112, 32, 8), (160, 24, 16)]
+
+
+@pytest.mark.parametrize(("size", "mamba_size", "chunk_size"), CONFIGS)
+def test_kvcore_mamba_matches_sglang_mamba_radix_cache(size, mamba_size, chunk_size):
+    total: Counter = Counter()
+    for seed in range(4):
+        total.update(run_stream(seed, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=250,
+                                world=MambaWorld, size=size,
+                                world_options=dict(mamba_size=mamba_size, chunk_size=chunk_size),
+                                chunks=(4, 8, 16, 1000), enable_kv_cache_events=seed % 2 == 0))
+    # The streams really did each thing (else the comparison proves little).
+    for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "alloc_evict", "match_waiting"):
+        assert total[what] > 0, total
+
+
+def test_kvcore_mamba_strict_slot_checks_change_nothing(monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: kvcore-mamba claims its full slots and state slots in the views of SGLang's pools."""
+    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
+    run_stream(2, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=200, world=MambaWorld,
+               size=112, world_options=dict(mamba_size=24, chunk_size=4), chunks=(4, 8, 1000))
+
+
+def test_kvcore_mamba_disabled_matches_sglang():
+    """``disable``: nothing matched or kept, every state slot given back with its request."""
+    run_stream(3, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=150, world=MambaWorld,
+               size=160, world_options=dict(mamba_size=24, chunk_size=4), chunks=(1000,), disable=True)
