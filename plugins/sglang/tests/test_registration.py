@@ -159,41 +159,29 @@ def make_swa_ctx(server_args, *, page_size=1, size=64, size_swa=32, window=8, **
     )
 
 
-def test_create_tree_cache_builds_kvcore_swa_on_sglangs_swa_allocator(caplog):
-    from kvcore_sglang.v0_5_19 import KvcoreSWATreeCache
+@pytest.mark.parametrize(("name", "cls"), [("kvcore-swa", "KvcoreSWATreeCache"),
+                                          ("kvcore-unified", "KvcoreUnifiedSWATreeCache")])
+def test_create_tree_cache_builds_a_window_tree_on_sglangs_swa_allocator(caplog, name, cls):
+    """kvcore-swa (SWARadixCache) and kvcore-unified, whose SGLang counterpart on a hybrid SWA model is
+    its UnifiedRadixCache with components FULL + SWA."""
+    from kvcore_sglang import v0_5_19
 
     load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-swa") as server_args:
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
         ctx = make_swa_ctx(server_args, page_size=4, window=8)
         with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
             cache = create_tree_cache(ctx)
-    assert isinstance(cache, KvcoreSWATreeCache) and "source=registered('kvcore-swa')" in caplog.text
+    assert type(cache) is getattr(v0_5_19, cls) and f"source=registered('{name}')" in caplog.text
     assert cache.supports_swa() and cache.sliding_window_size == 8 and not cache.is_chunk_cache()
     view = cache.kvcore_cache.token_to_kv_pool_allocator
     assert view.sglang is ctx.params.token_to_kv_pool_allocator
     assert (view.size_full, view.size_swa) == (64, 32)
     assert cache.total_size() == (0, 0)
     assert cache.full_evictable_size() == cache.swa_evictable_size() == cache.swa_protected_size() == 0
-    kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
-
-
-def test_create_tree_cache_builds_kvcore_unified_full_swa_on_sglangs_swa_allocator(caplog):
-    """A hybrid SWA model on kvcore-unified: SGLang's default tree there is its UnifiedRadixCache with FULL + SWA."""
-    from kvcore_sglang.v0_5_19 import KvcoreUnifiedSWATreeCache
-
-    load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-unified") as server_args:
-        ctx = make_swa_ctx(server_args, page_size=4, window=8)
-        with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
-            cache = create_tree_cache(ctx)
-    assert isinstance(cache, KvcoreUnifiedSWATreeCache) and "source=registered('kvcore-unified')" in caplog.text
-    assert cache.kvcore_cache.config.components == ("full", "swa")
-    assert cache.supports_swa() and cache.sliding_window_size == 8 and not cache.is_chunk_cache()
-    assert cache.kvcore_cache.token_to_kv_pool_allocator.sglang is ctx.params.token_to_kv_pool_allocator
-    # As SGLang's UnifiedRadixCache: (full, swa) totals, and the plain sizes answered (the full pool's).
-    assert cache.total_size() == (0, 0)
-    assert cache.evictable_size() == cache.protected_size() == cache.swa_evictable_size() == 0
-    assert cache.swa_retain_floor(None) is None
+    if name == "kvcore-unified":
+        assert cache.kvcore_cache.config.components == ("full", "swa")
+        # As SGLang's UnifiedRadixCache: the plain sizes answered (the full pool's), no retain floor.
+        assert cache.evictable_size() == cache.protected_size() == 0 and cache.swa_retain_floor(None) is None
     kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
 
 
