@@ -161,8 +161,9 @@ class World:
     def new_req(self, rid: str, ids: list[int], extra_key: Any, cache_salt: str | None = None) -> None:
         self.reqs[rid] = Req(rid, "", array("q", ids), SamplingParams(), extra_key=extra_key, cache_salt=cache_salt)
 
-    def admit(self, rid: str) -> list[int]:
-        """Match (Req.init_next_round_input) and lock, as PrefillAdder does; returns the matched slots."""
+    def admit(self, rid: str) -> tuple:
+        """Match (Req.init_next_round_input) and lock, as PrefillAdder does; returns the matched slots and the
+        lock's delta (SGLang's caches each answer it their way)."""
         req = self.reqs[rid]
         req.init_next_round_input(self.cache)
         result = self.cache.inc_lock_ref(req.last_node)
@@ -170,7 +171,7 @@ class World:
             req.swa_uuid_for_lock = result.swa_uuid_for_lock
         # It drops the skip set of this lock too (a stale one from an earlier scheduling must not be replayed).
         req.skip_lock_node_ids = {}
-        return req.prefix_indices.tolist()
+        return req.prefix_indices.tolist(), result.delta
 
     def extend(self, rid: str, chunk: int) -> tuple:
         """One prefill chunk: row, slots (evicting for them), row write; caches the chunk when more follow."""
@@ -475,7 +476,7 @@ class MambaWorld(World):
     def room(self) -> int:
         return self.alloc.available_size() + self.cache.full_evictable_size()
 
-    def admit(self, rid: str) -> list[int]:
+    def admit(self, rid: str) -> tuple:
         self.admitted.add(rid)
         return super().admit(rid)
 

@@ -86,6 +86,7 @@ __all__ = [
     "KvcoreSWATreeCache",
     "KvcoreTreeCache",
     "KvcoreUnifiedSWATreeCache",
+    "KvcoreUnifiedTreeCache",
     "ReqToTokenPoolView",
     "ReqView",
     "SWAAllocatorView",
@@ -966,23 +967,50 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
                 f"swa_evictable_size={self.swa_evictable_size()})\n")
 
 
-class KvcoreUnifiedSWATreeCache(KvcoreSWATreeCache):
+class _UnifiedAnswers:
+    """What SGLang's ``UnifiedRadixCache`` answers whatever its components (kvcore's ``unified`` behind it).
+
+    A disabled tree is a chunk cache, and ``inc_lock_ref`` reports the full tokens it
+    newly protected (its full component's delta; SGLang's RadixCache reports the change in
+    evictable tokens), the window lock's stop and the tombstones it passed over (none
+    without a swa component).
+    """
+
+    kvcore_cache: Any
+    disable: bool
+
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
+        super().__init__(target, kvcore_cache, params, chunk_when_disabled=True)  # type: ignore[call-arg]
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if self.disable:
+            return IncLockRefResult()
+        lock = self.kvcore_cache.inc_lock_ref(node)
+        return IncLockRefResult(delta=lock.delta, swa_uuid_for_lock=lock.stop, skip_lock_node_ids=skip_ids(lock))
+
+
+class KvcoreUnifiedTreeCache(_UnifiedAnswers, KvcoreTreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` with its one component full (a full-attention model)."""
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        # SGLang's unified tree core aggregates no delta here ("no caller uses it yet").
+        self.kvcore_cache.dec_lock_ref(node)
+        return DecLockRefResult()
+
+
+class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
     """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + swa, answered by kvcore's ``unified``.
 
     The window contract is the SWA tree's (:class:`KvcoreSWATreeCache`); where SGLang's
-    unified tree answers otherwise, its answers: the plain sizes are the full pool's (its
-    SWARadixCache raises for them), ``inc_lock_ref`` reports the full tokens it newly
-    protected and the tombstones the window lock passed over (``skip_lock_node_ids``), its
-    eviction metrics count full tokens only, a disabled tree is a chunk cache, and
-    ``cache_unfinished_req`` first frees what left the request's window
-    (``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``, on by default in 0.5.19).
+    unified tree answers otherwise, its answers (:class:`_UnifiedAnswers`, and: the plain
+    sizes are the full pool's where its SWARadixCache raises for them, the lock's skipped
+    tombstones go back to ``dec_lock_ref`` through ``req.skip_lock_node_ids``, its eviction
+    metrics count full tokens only, and ``cache_unfinished_req`` first frees what left the
+    request's window (``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``, on by default in 0.5.19).
     """
 
     req_view = UnifiedSWAReqView
     metrics_count_swa = False
-
-    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
-        super().__init__(target, kvcore_cache, params, chunk_when_disabled=True)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         if not self.disable and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
@@ -993,13 +1021,6 @@ class KvcoreUnifiedSWATreeCache(KvcoreSWATreeCache):
                 token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, retain_floor=self.swa_retain_floor(req),
             )
         super().cache_unfinished_req(req, chunked, **kwargs)
-
-    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
-        if self.disable:
-            return IncLockRefResult()
-        lock = self.kvcore_cache.inc_lock_ref(node)
-        # SGLang's full component reports the full tokens it newly protected.
-        return IncLockRefResult(delta=lock.delta, swa_uuid_for_lock=lock.stop, skip_lock_node_ids=skip_ids(lock))
 
     def available_and_evictable_str(self) -> str:
         alloc = self.token_to_kv_pool_allocator
@@ -1279,6 +1300,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             disable=bool(params.disable),
             strict=strict_slots(),
         )
+        return KvcoreUnifiedTreeCache(target, cache, params)
     elif target.backend == "swa":
         cache = _build_kvcore(
             target, "swa", params,
@@ -1300,4 +1322,4 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             f"--radix-cache-backend {target.name}: kvcore-sglang {SGLANG_VERSION} "
             f"cannot build backend {target.backend!r}"
         )
-    return KvcoreTreeCache(target, cache, params, chunk_when_disabled=target.backend == "unified")
+    return KvcoreTreeCache(target, cache, params)
