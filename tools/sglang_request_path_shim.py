@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.plugins import load_plugins
-from sglang.srt.runtime_context import get_context, get_server_args
+from sglang.srt.runtime_context import get_context, get_server_args, mamba_track_grid
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 import kvcore
@@ -193,7 +193,7 @@ class World:
         # write_cache_indices: the prefix slots, then the new ones.
         row[:start] = req.prefix_indices.to(torch.int32)
         row[start:end] = out.to(torch.int32)
-        self.forward([req], [req.full_untruncated_fill_ids[start:end]])
+        self.forward([req], [req.full_untruncated_fill_ids[start:end]], prefill=True)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
         more = end < len(req.full_untruncated_fill_ids)
         maybe_cache_unfinished_req(req, self.cache, chunked=more)
@@ -207,7 +207,7 @@ class World:
             seq = torch.tensor([r.kv.kv_committed_len + 1 for r in reqs])
             last = torch.stack([self.r2t.req_to_token[r.kv.req_pool_idx, r.kv.kv_committed_len - 1] for r in reqs])
             out = allocation.alloc_paged_token_slots_decode(self.cache, seq, seq.clone(), last.to(torch.int64))
-        self.forward(reqs, [[tok] for tok in tokens])
+        self.forward(reqs, [[tok] for tok in tokens], prefill=False)
         for req, slot, tok in zip(reqs, out.tolist(), tokens):
             self.r2t.req_to_token[req.kv.req_pool_idx, req.kv.kv_committed_len] = slot
             req.kv.kv_allocated_len += 1
@@ -215,7 +215,7 @@ class World:
             req.output_ids.append(tok)
         return out.tolist()
 
-    def forward(self, reqs: list[Req], tokens: list) -> None:
+    def forward(self, reqs: list[Req], tokens: list, *, prefill: bool) -> None:
         """The model's forward over these tokens: nothing the cache reads (a model with states adds them)."""
 
     def sample_first(self, rid: str, token: int) -> None:
@@ -444,12 +444,13 @@ class MambaWorld(World):
 
     is_hybrid_ssm = True
 
-    def __init__(self, cache_kind: str, *, mamba_size: int, chunk_size: int, **kw: Any):
+    def __init__(self, cache_kind: str, *, mamba_size: int, chunk_size: int, extra_buffer: bool = False, **kw: Any):
         self.mamba_size = mamba_size
         self.chunk_size = chunk_size
+        self.extra_buffer = extra_buffer
         self.admitted: set[str] = set()
         self.publish(get_server_args())
-        super().__init__(cache_kind, **kw)
+        super().__init__(cache_kind, enable_mamba_extra_buffer=extra_buffer, **kw)
 
     def publish(self, server_args: Any) -> None:
         server_args._mamba_cache_chunk_size = self.chunk_size
@@ -466,7 +467,7 @@ class MambaWorld(World):
         return HybridReqToTokenPool(
             size=rows, mamba_size=self.mamba_size, mamba_spec_state_size=self.mamba_size, max_context_len=width,
             device="cpu", enable_memory_saver=False, cache_params=self.state_shape(), mamba_layer_ids=[0, 1],
-            enable_mamba_extra_buffer=False, enable_overlap_schedule=True,
+            enable_mamba_extra_buffer=self.extra_buffer, enable_overlap_schedule=True,
         )
 
     def sglang_cache(self, cache_kind: str, init: Any) -> Any:
@@ -486,8 +487,11 @@ class MambaWorld(World):
         req.init_next_round_input(self.cache)
         return req.prefix_indices.tolist(), req.mamba_branching_seqlen
 
-    def forward(self, reqs: list[Req], tokens: list) -> None:
-        batch = types.SimpleNamespace()
+    def forward(self, reqs: list[Req], tokens: list, *, prefill: bool) -> None:
+        batch = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(mamba_chunk_size=self.chunk_size)),
+            tree_cache=self.cache, req_to_token_pool=self.r2t,
+        )
         ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, reqs)
         pool = self.r2t.mamba_pool
         if batch.mamba_cow_src_indices is not None:
@@ -496,9 +500,33 @@ class MambaWorld(World):
             pool.clear_slots(batch.mamba_clear_indices)
         cache = pool.mamba_cache
         for req, toks in zip(reqs, tokens):
+            # Extra-buffer strategy: where this forward's kernel writes a snapshot (the scheduler's decision).
+            track = self.track_slot(batch, req, prefill) if self.extra_buffer else None
             idx = req.kv.mamba_pool_idx.reshape(1).to(torch.int64)
             cache.temporal[:, idx] = cache.temporal[:, idx] * 0.5 + float(sum(toks) % 97)
             cache.conv[0][:, idx] += len(toks)
+            if track is not None:
+                pool.copy_from(idx, torch.tensor([track]))
+
+    def track_slot(self, batch: Any, req: Req, prefill: bool) -> int | None:
+        """The ping-pong slot this forward snapshots ``req``'s state into, or None; the record's fields set as SGLang's.
+
+        Prefill: SGLang's own ``ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend``.
+        Decode: what its ``_mamba_prefix_cache_update`` does after a step that reaches the track
+        grid (``mamba_track_grid``; no overlap lookahead, no speculative decoding here).
+        """
+        kv = req.kv
+        if prefill:
+            entry = ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(batch, req)
+            return int(entry.track_index) if entry.track_mask else None
+        seqlen = kv.kv_committed_len + 1
+        if seqlen % mamba_track_grid(self.page_size):
+            return None
+        slot = int(kv.mamba_ping_pong_track_buffer[kv.mamba_next_track_idx])
+        kv.mamba_last_track_seqlen = seqlen
+        kv.mamba_last_track_idx = kv.mamba_next_track_idx
+        kv.mamba_next_track_idx = self.r2t.get_mamba_ping_pong_other_idx(kv.mamba_next_track_idx)
+        return slot
 
     def finish(self, rid: str, is_insert: bool = True) -> None:
         req = self.reqs[rid]
@@ -525,7 +553,10 @@ class MambaWorld(World):
         kv = r.kv
         idx = None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx)
         src = None if kv.mamba_cow_src_index is None else kv.mamba_cow_src_index.tolist()
-        return (*super().req_state(r), idx, src, kv.mamba_needs_clear, r.mamba_branching_seqlen)
+        buf = kv.mamba_ping_pong_track_buffer
+        return (*super().req_state(r), idx, src, kv.mamba_needs_clear, r.mamba_branching_seqlen,
+                None if buf is None else buf.tolist(), kv.mamba_next_track_idx, kv.mamba_last_track_idx,
+                kv.mamba_last_track_seqlen)
 
     def pool_state(self) -> dict:
         c = self.cache
@@ -549,8 +580,13 @@ class MambaWorld(World):
         return mamba_tree_dump(self.cache.root_node)
 
     def uncached(self) -> tuple[int, int]:
+        """(full slots, state slots) the requests hold: their own state slot and their ping-pong slots."""
         full, _ = super().uncached()
-        return full, sum(1 for r in self.reqs.values() if r.kv.holds_mamba)
+        states = 0
+        for r in self.reqs.values():
+            buf = r.kv.mamba_ping_pong_track_buffer
+            states += int(r.kv.holds_mamba) + (0 if buf is None else int((buf != -1).sum()))
+        return full, states
 
     def check_memory(self) -> None:
         c, r2t = self.cache, self.r2t
@@ -701,6 +737,11 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
         if op == "new":
             base = rng.choice(prompts)
             ids = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(1, 40) for _ in range(rng.randrange(0, 24))]
+            while stateful and page_size > 1 and len(ids) <= page_size:
+                # SGLang 0.5.19's MambaRadixCache (pages) splits a node at 0 when the admission key's limit
+                # (prompt - 1) ends inside a child's first page, and later fails deleting that empty node
+                # ("parent does not have child key"); kvcore-mamba cuts the key first. Prompts past one page.
+                ids.append(rng.randrange(1, 40))
             rid = f"r{next_id}"
             next_id += 1
             extra = rng.choice([None, None, None, "lora-a"])

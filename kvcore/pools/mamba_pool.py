@@ -180,6 +180,10 @@ class MambaRequestTable(abc.ABC):
 
     # req_to_token is the table's own (a tensor attribute or property of every request table).
     extra_buffer: bool
+    #: Extra-buffer mode: True when the engine's scheduler sets the tracking fields of each record
+    #: and its kernels write the snapshots (SGLang); False when the tree replays the scheduler's
+    #: rules itself (kvcore's own tables: kvcore has no forward).
+    tracks_states: bool = False
     mamba_pool: Any
     mamba_allocator: Any
     evict_states: Callable[[int], Any] | None
@@ -188,6 +192,12 @@ class MambaRequestTable(abc.ABC):
     @abc.abstractmethod
     def free_mamba_cache(self, kv: Any, keep: int | None = None) -> None:
         """Give back the state slots ``kv`` holds, except ping-pong position ``keep`` (the tree took it)."""
+
+    def set_ping_pong_slot(self, kv: Any, idx: int, slot: torch.Tensor) -> None:
+        """Point ping-pong position ``idx`` of ``kv`` at ``slot`` (a table with a device-side copy updates it too)."""
+        comp = mamba_state_of(kv)
+        assert comp is not None and comp.mamba_ping_pong_track_buffer is not None
+        comp.mamba_ping_pong_track_buffer[idx] = slot
 
 
 class HybridReqToTokenPool(ReqToTokenPool, MambaRequestTable):
@@ -397,6 +407,9 @@ class MambaRequestStates:
         comp = mamba_state_of(req.kv)
         if not self.extra_buffer or comp is None or comp.mamba_ping_pong_track_buffer is None:
             return None
+        if self.r2t.tracks_states:
+            # The engine tracked (and its kernels wrote the snapshot): nothing to replay.
+            return comp.mamba_last_track_seqlen
         kv = req.kv
         start = comp.mamba_tracked_len if comp.mamba_tracked_len is not None else kv.cache_protected_len
         end = kv.kv_committed_len
@@ -443,20 +456,22 @@ class MambaRequestStates:
         assert keep is not None and comp.mamba_ping_pong_track_buffer is not None
         return comp.mamba_ping_pong_track_buffer[keep].reshape(1).clone()
 
-    def donate_tracked(self, comp: MambaReqState) -> torch.Tensor | None:
+    def donate_tracked(self, kv: Any) -> torch.Tensor | None:
         """SGLang's ``donate_mamba_ping_pong_slot``: hand the tracked slot over, a fresh one in its place.
 
         None (``snapshot_skips`` counted, nothing changed) when no slot is free or evictable:
         SGLang asserts there; kvcore leaves the snapshot uncached.
         """
+        comp = mamba_state_of(kv)
+        assert comp is not None
         new_slot = self.alloc_slot()
         if new_slot is None:
             self.snapshot_skips += 1
             return None
         donated = self.tracked_slot(comp)
         keep = comp.mamba_last_track_idx
-        assert keep is not None and comp.mamba_ping_pong_track_buffer is not None
-        comp.mamba_ping_pong_track_buffer[keep] = new_slot[0]
+        assert keep is not None
+        self.r2t.set_ping_pong_slot(kv, keep, new_slot[0])
         return donated
 
     # -- retraction backups ------------------------------------------------------------

@@ -574,7 +574,7 @@ class MambaRadixCache(BasePrefixCache):
             self.full_evictable_size_ += n - pos
             self.mamba_evictable_size_ += 1
             if self.enable_kv_events:
-                record_stored(self._events, leaf, 1)
+                record_stored(self._events, leaf, self.page_size)
             node = leaf
         elif node.mamba_value is None:
             assert mamba_value is not None
@@ -788,7 +788,7 @@ class MambaRadixCache(BasePrefixCache):
         if self.disable or cache_len is None:
             req.prefix_indices = row[:committed].to(torch.int64)
             return
-        donated = self.states.donate_tracked(comp)
+        donated = self.states.donate_tracked(kv)
         if donated is None:
             # SGLang asserts here; kvcore leaves this snapshot uncached and carries on.
             req.prefix_indices = row[:committed].to(torch.int64)

@@ -399,9 +399,14 @@ class HybridReqToTokenPoolView(ReqToTokenPoolView, MambaRequestTable):
     """kvcore's request table with state slots over SGLang's ``HybridReqToTokenPool``.
 
     SGLang's own ``alloc`` (called by its ``alloc_req_slots``) gives a request its row and
-    state slot, so kvcore's admission hooks (``evict_states``, ``prepare_state``) are never
-    called here; ``free_mamba_cache`` is SGLang's, which also keeps its device-side map.
+    state slot (and, extra-buffer strategy, its two ping-pong tracking slots), so kvcore's
+    admission hooks (``evict_states``, ``prepare_state``) are never called here.  SGLang's
+    scheduler sets the tracking fields and its kernels write the snapshots
+    (``tracks_states``).  ``free_mamba_cache`` and ``set_ping_pong_slot`` are SGLang's, which
+    also keep its device-side maps.
     """
+
+    tracks_states = True
 
     def __init__(self, pool: Any):
         super().__init__(pool)
@@ -415,6 +420,9 @@ class HybridReqToTokenPoolView(ReqToTokenPoolView, MambaRequestTable):
         if state is not None:
             self.mamba_allocator._unclaimed(state.slots())
         self.sglang.free_mamba_cache(_RecordHolder(kv.sglang), mamba_ping_pong_track_buffer_to_keep=keep)
+
+    def set_ping_pong_slot(self, kv: Any, idx: int, slot: torch.Tensor) -> None:
+        self.sglang.set_mamba_ping_pong_slot(_RecordHolder(kv.sglang), idx, slot)
 
 
 class _RecordHolder:
@@ -436,13 +444,18 @@ class KvRecordView:
     ``cache_finished_req`` the length to cache (``kv_len_to_handle``, which
     ``strip_thinking_cache`` shortens) and caches ``len(fill_ids)`` in
     ``cache_unfinished_req``; kvcore's backends read it from the record.
+    ``resume`` (kvcore's resume point, which SGLang's record has no field for) lives
+    in ``resumes``, the cache's table keyed by SGLang's ``Req`` (``owner``).
     """
 
-    __slots__ = ("sglang", "_committed")
+    __slots__ = ("sglang", "_committed", "_resumes", "_owner")
 
-    def __init__(self, kv: Any, committed: int | None = None):
+    def __init__(self, kv: Any, committed: int | None = None, resumes: weakref.WeakKeyDictionary | None = None,
+                 owner: Any = None):
         self.sglang = kv
         self._committed = committed
+        self._resumes = resumes
+        self._owner = owner
 
     @property
     def req_pool_idx(self) -> int | None:
@@ -481,13 +494,18 @@ class KvRecordView:
         self.sglang.swa_evicted_seqlen = value
 
     @property
-    def resume(self) -> None:
-        """No resume point: each call gets a new view, so every chunk takes the whole-prefix path."""
-        return None
+    def resume(self) -> Any:
+        """Where the request's next chunk may be inserted from (None: the whole-prefix path)."""
+        return None if self._resumes is None else self._resumes.get(self._owner)
 
     @resume.setter
     def resume(self, value: Any) -> None:
-        pass
+        if self._resumes is None:
+            return
+        if value is None:
+            self._resumes.pop(self._owner, None)
+        else:
+            self._resumes[self._owner] = value
 
     def swa_dead_lo(self, page_size: int) -> int:
         return int(self.sglang.swa_dead_lo(page_size))
@@ -562,27 +580,53 @@ def namespace(extra_key: str | None, cache_salt: str | None) -> Any:
     return extra_key if cache_salt is None else (extra_key, cache_salt)
 
 
+class RequestTables:
+    """What a kvcore cache keeps per SGLang ``Req`` that SGLang's ``Req`` has no field for (weakly keyed)."""
+
+    __slots__ = ("locks", "resumes")
+
+    def __init__(self) -> None:
+        self.locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.resumes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class ReqView:
     """SGLang's ``Req`` as kvcore's tree code reads it, writing ``last_node`` and ``prefix_indices`` through.
 
-    ``fill_ids`` are the tokens SGLang caches in this call.  kvcore keeps the lock
-    object of a request (``lock``) in the cache's table, not on SGLang's ``Req``.
+    ``fill_ids`` are the tokens SGLang caches in this call, as a list made on first use:
+    a resumed chunk reads only its own part (``fill_slice``).  kvcore keeps the lock and the
+    resume point of a request in the cache's tables (``tables``), not on SGLang's ``Req``.
     """
 
-    __slots__ = ("sglang", "kv", "fill_ids", "_locks")
+    __slots__ = ("sglang", "kv", "_fill", "_fill_list", "_locks")
 
-    def __init__(self, req: Any, fill_ids: Any, committed: int | None, locks: weakref.WeakKeyDictionary):
+    def __init__(self, req: Any, fill_ids: Any, committed: int | None, tables: RequestTables):
         self.sglang = req
-        self.kv = KvRecordView(req.kv, committed)
-        self.fill_ids = fill_ids.tolist() if isinstance(fill_ids, array) else list(fill_ids)
-        self._locks = locks
+        self.kv = KvRecordView(req.kv, committed, tables.resumes, req)
+        self._fill = fill_ids
+        self._fill_list: list[int] | None = None
+        self._locks = tables.locks
+
+    @property
+    def fill_ids(self) -> list[int]:
+        if self._fill_list is None:
+            fill = self._fill
+            self._fill_list = fill.tolist() if isinstance(fill, array) else list(fill)
+        return self._fill_list
 
     @property
     def rid(self) -> str:
         return self.sglang.rid
 
+    @property
+    def seqlen(self) -> int:
+        return int(self.sglang.seqlen)
+
     def fill_slice(self, start: int, end: int) -> list[int]:
-        return self.fill_ids[start:end]
+        if self._fill_list is not None:
+            return self._fill_list[start:end]
+        part = self._fill[start:end]
+        return part.tolist() if isinstance(part, array) else list(part)
 
     @property
     def extra_key(self) -> Any:
@@ -794,7 +838,7 @@ class KvcoreTreeCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = int(params.page_size)
         self.disable_finished_insert = bool(params.disable_finished_insert)
-        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tables = RequestTables()
         self._events = _EventTranslator(self.page_size) if params.enable_kv_cache_events else None
         if self._events is not None:
             # SGLang's RadixCache records a clear when it builds its (empty) tree.
@@ -840,7 +884,7 @@ class KvcoreTreeCache(BasePrefixCache):
         if self.disable_finished_insert:
             is_insert = False
         fill_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        view = self.req_view(req, fill_ids, kv_len_to_handle, self._locks)
+        view = self.req_view(req, fill_ids, kv_len_to_handle, self._tables)
         self.kvcore_cache.hook.cache_finished_req(req=view, is_insert=is_insert)
         self._flush_events()
 
@@ -854,7 +898,7 @@ class KvcoreTreeCache(BasePrefixCache):
         else:
             fill_ids = req.get_fill_ids()
             committed = len(fill_ids)
-        view = self.req_view(req, fill_ids, committed, self._locks)
+        view = self.req_view(req, fill_ids, committed, self._tables)
         self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
         self._flush_events()
 
@@ -1052,7 +1096,7 @@ class KvcoreMambaTreeCache(KvcoreTreeCache):
         # SGLang's scheduler matches a waiting request again each round; one that kept its state
         # slot from an earlier match is only pointed at the new source (SGLang's match does that).
         rematch = cow and bool(req.kv.holds_mamba)
-        view = self.req_view(req, (), None, self._locks) if cow and not rematch else None
+        view = self.req_view(req, (), None, self._tables) if cow and not rematch else None
         found = self.kvcore_cache.match_prefix(self._key(params.key), cow_mamba=view is not None, req=view)
         node = found.last_device_node
         if rematch and node.mamba_value is not None:
@@ -1240,10 +1284,15 @@ def _build_mamba(target: Target, params: Any) -> Any:
     if type(alloc) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
         raise UnsupportedContext(f"{name}: needs SGLang's TokenToKVPoolAllocator or PagedTokenToKVPoolAllocator, "
                                  f"got {type(alloc).__name__}")
-    if r2t.enable_mamba_extra_buffer or params.enable_mamba_extra_buffer:
-        raise UnsupportedContext(f"{name}: the extra-buffer Mamba strategy (--mamba-scheduler-strategy "
-                                 "extra_buffer, page size > 1) is not served yet: use --mamba-scheduler-strategy "
-                                 "no_buffer with --page-size 1")
+    if bool(r2t.enable_mamba_extra_buffer) != bool(params.enable_mamba_extra_buffer):
+        raise UnsupportedContext(f"{name}: the cache and SGLang's HybridReqToTokenPool disagree on the "
+                                 "extra-buffer Mamba strategy")
+    if r2t.enable_mamba_extra_buffer_lazy or params.enable_mamba_extra_buffer_lazy:
+        raise UnsupportedContext(f"{name}: the lazy extra-buffer Mamba strategy (--mamba-scheduler-strategy "
+                                 "extra_buffer_lazy) is not supported by kvcore: use extra_buffer or no_buffer")
+    if int(params.page_size) > 1 and not r2t.enable_mamba_extra_buffer:
+        raise UnsupportedContext(f"{name}: page size {params.page_size} needs the extra-buffer Mamba strategy "
+                                 "(--mamba-scheduler-strategy extra_buffer), as SGLang's MambaRadixCache does")
     if r2t.mamba_ckpt_pool is not None:
         raise UnsupportedContext(f"{name}: int8 Mamba checkpoints (--enable-int8-mamba-checkpoint) are not "
                                  "supported by kvcore (drop the flag)")

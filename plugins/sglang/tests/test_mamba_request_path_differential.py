@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from sglang.srt.runtime_context import get_context
 
 from tools.sglang_request_path_shim import MambaWorld, run_stream
 
@@ -45,6 +46,32 @@ def test_kvcore_mamba_matches_sglang_mamba_radix_cache(size, mamba_size, chunk_s
                                 chunks=(4, 8, 16, 1000), enable_kv_cache_events=seed % 2 == 0))
     # The streams really did each thing (else the comparison proves little).
     for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "alloc_evict", "match_waiting"):
+        assert total[what] > 0, total
+
+
+# page size, full pool, state slots, mamba_cache_chunk_size, track interval (decode snapshots)
+EXTRA_BUFFER_CONFIGS = [(4, 160, 40, 8, 16), (4, 192, 48, 16, 32), (1, 112, 40, 4, 8)]
+
+
+@pytest.mark.parametrize(("page_size", "size", "mamba_size", "chunk_size", "interval"), EXTRA_BUFFER_CONFIGS)
+def test_kvcore_mamba_extra_buffer_matches_sglang(page_size, size, mamba_size, chunk_size, interval):
+    """SGLang's extra-buffer strategy: two ping-pong tracking slots per request, snapshots the scheduler decides.
+
+    SGLang's own ``_mamba_radix_cache_v2_req_prepare_for_extend`` tracks each prefill extend and
+    the decode steps reaching ``mamba_track_grid`` track there (the shim's ``track_slot``); the
+    kernel's write of the snapshot is the forward's copy into the tracked slot.  kvcore-mamba
+    reads the tracking fields SGLang's scheduler wrote (it replays nothing) and donates the
+    tracked slot through SGLang's ``set_mamba_ping_pong_slot``.
+    """
+    total: Counter = Counter()
+    with get_context().override_server_args(mamba_track_interval=interval):
+        for seed in range(3):
+            total.update(run_stream(seed, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=page_size,
+                                    steps=250, world=MambaWorld, size=size, finish_weight=1,
+                                    world_options=dict(mamba_size=mamba_size, chunk_size=chunk_size,
+                                                       extra_buffer=True),
+                                    chunks=(8, 16, 1000), enable_kv_cache_events=seed % 2 == 1))
+    for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "match_waiting"):
         assert total[what] > 0, total
 
 

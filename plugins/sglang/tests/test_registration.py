@@ -253,7 +253,8 @@ def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):
             create_tree_cache(make_ctx(server_args))
 
 
-def make_mamba_ctx(server_args, *, rows=4, mamba_size=8, size=64, extra_buffer=False, hybrid_ssm=True, **params):
+def make_mamba_ctx(server_args, *, rows=4, mamba_size=8, size=64, page_size=1, extra_buffer=False, hybrid_ssm=True,
+                   **params):
     """A hybrid SSM model's context: SGLang's HybridReqToTokenPool (a MambaPool of two small layers)."""
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
@@ -265,9 +266,14 @@ def make_mamba_ctx(server_args, *, rows=4, mamba_size=8, size=64, extra_buffer=F
         enable_memory_saver=False, cache_params=MambaWorld.state_shape(), mamba_layer_ids=[0, 1],
         enable_mamba_extra_buffer=extra_buffer, enable_overlap_schedule=True,
     )
-    alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
-    init = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1,
-                           enable_mamba_extra_buffer=extra_buffer, **params)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
+    else:
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+        alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False)
+    init = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+                           page_size=page_size, enable_mamba_extra_buffer=extra_buffer, **params)
     return TreeCacheBuildContext(
         server_args=server_args, params=init, is_hybrid_swa=False, is_hybrid_ssm=hybrid_ssm,
         enable_hierarchical_cache=False, disable_radix_cache=False, effective_chunked_prefill_size=None,
@@ -292,12 +298,17 @@ def test_create_tree_cache_builds_kvcore_mamba_on_sglangs_hybrid_pool(caplog):
     assert cache.total_size() == (0, 0)
     assert cache.full_evictable_size() == cache.mamba_evictable_size() == cache.mamba_protected_size() == 0
     kvcore.InvariantChecker(backend).check(owners=[])
+    # The extra-buffer strategy with pages: SGLang's scheduler tracks the snapshots.
+    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+        cache = create_tree_cache(make_mamba_ctx(server_args, page_size=4, mamba_size=12, extra_buffer=True))
+    assert cache.kvcore_cache.extra_buffer and cache.kvcore_cache.req_to_token_pool.tracks_states
 
 
 @pytest.mark.parametrize(
     ("ctx_options", "says"),
     [
-        ({"extra_buffer": True}, "extra-buffer Mamba strategy"),
+        ({"page_size": 4}, "page size 4 needs the extra-buffer Mamba strategy"),
+        ({"extra_buffer": True, "enable_mamba_extra_buffer_lazy": True}, "lazy extra-buffer Mamba strategy"),
         ({"eviction_policy": "lfu"}, "only 'lru' applies"),
         ({"is_eagle": True}, "EAGLE speculative decoding"),
         ({"hybrid_ssm": False}, "full model, which kvcore-mamba does not serve"),

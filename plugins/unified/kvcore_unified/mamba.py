@@ -264,7 +264,7 @@ class MambaComponent(LRUValueComponent):
             return cache_len or 0
         if cache_len is None:
             return 0
-        donated = self.states.donate_tracked(comp)
+        donated = self.states.donate_tracked(req.kv)
         if donated is None:
             return 0  # no slot for the tracking buffer: this snapshot stays uncached
         ins.mamba_value = donated
