@@ -55,7 +55,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 import kvcore
 
-__all__ = ["MambaWorld", "SWAWorld", "World", "install_cpu_kernels", "run_stream", "tree_dump"]
+__all__ = ["MambaWorld", "SWAWorld", "World", "install_cpu_kernels", "run_stream", "tree_dump", "window_state"]
 
 
 # ---------------------------------------------------------------------------- CPU stand-ins for the Triton kernels
@@ -161,14 +161,17 @@ class World:
     def new_req(self, rid: str, ids: list[int], extra_key: Any, cache_salt: str | None = None) -> None:
         self.reqs[rid] = Req(rid, "", array("q", ids), SamplingParams(), extra_key=extra_key, cache_salt=cache_salt)
 
-    def admit(self, rid: str) -> list[int]:
-        """Match (Req.init_next_round_input) and lock, as PrefillAdder does; returns the matched slots."""
+    def admit(self, rid: str) -> tuple:
+        """Match (Req.init_next_round_input) and lock, as PrefillAdder does; returns the matched slots and the
+        lock's delta (SGLang's caches each answer it their way)."""
         req = self.reqs[rid]
         req.init_next_round_input(self.cache)
         result = self.cache.inc_lock_ref(req.last_node)
         if self.is_hybrid_swa:  # PrefillAdder._req_inc_lock_ref
             req.swa_uuid_for_lock = result.swa_uuid_for_lock
-        return req.prefix_indices.tolist()
+        # It drops the skip set of this lock too (a stale one from an earlier scheduling must not be replayed).
+        req.skip_lock_node_ids = {}
+        return req.prefix_indices.tolist(), result.delta
 
     def extend(self, rid: str, chunk: int) -> tuple:
         """One prefill chunk: row, slots (evicting for them), row write; caches the chunk when more follow."""
@@ -315,6 +318,7 @@ class SWAWorld(World):
     def __init__(self, cache_kind: str, *, swa_size: int, window: int, **kw: Any):
         self.swa_size = swa_size
         self.window = window
+        self.cache_kind = cache_kind
         super().__init__(cache_kind, sliding_window_size=window, **kw)
 
     def make_allocator(self, size: int, page_size: int, params: dict) -> Any:
@@ -323,6 +327,10 @@ class SWAWorld(World):
         return SWATokenToKVPoolAllocator(size, self.swa_size, page_size, torch.float16, "cpu", pool, False)
 
     def sglang_cache(self, cache_kind: str, init: Any) -> Any:
+        if cache_kind == "unified-swa":
+            # SGLang's default tree on a hybrid SWA model (registry._create_unified_radix_cache).
+            init.tree_components = (ComponentType.FULL, ComponentType.SWA)
+            return UnifiedRadixCache(init)
         assert cache_kind == "swa", cache_kind
         return SWARadixCache(init)
 
@@ -377,7 +385,7 @@ class SWAWorld(World):
 
     def req_state(self, r: Req) -> tuple:
         return (*super().req_state(r), r.kv.swa_evicted_seqlen, r.swa_prefix_lock_released,
-                r.swa_uuid_for_lock is None)
+                r.swa_uuid_for_lock is None, len(r.skip_lock_node_ids.get(ComponentType.SWA, ())))
 
     def pool_state(self) -> dict:
         a, c = self.alloc, self.cache
@@ -394,8 +402,12 @@ class SWAWorld(World):
 
     def state(self) -> dict:
         out = super().state()
-        # SGLang's SWARadixCache answers the plain sizes by raising: the four above stand for them.
-        del out["evictable"], out["protected"]
+        if self.cache_kind == "swa":
+            # SGLang's SWARadixCache answers the plain sizes by raising: the four above stand for them.
+            del out["evictable"], out["protected"]
+        else:
+            # Its UnifiedRadixCache answers them with the full pool's.
+            out["evictable"], out["protected"] = self.cache.evictable_size(), self.cache.protected_size()
         out["total"] = self.cache.total_size()
         return out
 
@@ -465,7 +477,7 @@ class MambaWorld(World):
     def room(self) -> int:
         return self.alloc.available_size() + self.cache.full_evictable_size()
 
-    def admit(self, rid: str) -> list[int]:
+    def admit(self, rid: str) -> tuple:
         self.admitted.add(rid)
         return super().admit(rid)
 
@@ -623,6 +635,26 @@ def full_total(cache: Any) -> int:
     return total[0] if isinstance(total, tuple) else total
 
 
+def window_state(node: Any) -> tuple | None:
+    """(full lock, window lock, tombstone) of a node of a windowed tree; None for a full-only tree's node.
+
+    SGLang's unified node keeps them in its FULL and SWA component data; kvcore's unified
+    node in ``lock_ref``, ``swa_lock_ref`` and ``swa_value``; SWARadixCache's and kvcore-swa's
+    in ``full_lock_ref``, ``swa_lock_ref`` and ``swa_tombstone``.
+    """
+    data = getattr(node, "component_data", None)
+    if data is not None:
+        if ComponentType.SWA not in node.component_types:
+            return None
+        swa = data[ComponentType.SWA]
+        return data[ComponentType.FULL].lock_ref, swa.lock_ref, swa.value is None
+    if hasattr(node, "swa_value"):
+        return node.lock_ref, node.swa_lock_ref, node.swa_value is None
+    if hasattr(node, "swa_lock_ref"):
+        return node.full_lock_ref, node.swa_lock_ref, bool(node.swa_tombstone)
+    return None
+
+
 def tree_dump(root: Any) -> list:
     """Every node as (path of token ids, its slots, lock_ref[, window lock, tombstone]), sorted: the same for both.
 
@@ -639,11 +671,11 @@ def tree_dump(root: Any) -> list:
         value = [] if holder.value is None or isinstance(holder.value, list) else holder.value.tolist()
         full = path + tuple(key)
         # The root is never evicted: SGLang's unified root holds no lock where its RadixCache root holds one.
-        windowed = hasattr(node, "swa_lock_ref")
-        lock = None if node is root else node.full_lock_ref if windowed else holder.lock_ref
+        window = window_state(node)
+        lock = None if node is root else holder.lock_ref if window is None else window[0]
         row: tuple = (full, value, lock)
-        if windowed:
-            row += (node.swa_lock_ref, bool(node.swa_tombstone)) if node is not root else (None, None)
+        if window is not None:
+            row += (None, None) if node is root else window[1:]
         out.append(row)
         for child in node.children.values():
             stack.append((full, child))

@@ -40,9 +40,10 @@ TARGETS: tuple[Target, ...] = (
     Target(name="kvcore-mamba", backend="mamba", serves=("hybrid-ssm",),
            description="kvcore's Mamba tree (SGLang's MambaRadixCache) for hybrid SSM models, on SGLang's "
            "HybridReqToTokenPool and MambaPool"),
-    Target(name="kvcore-unified", backend="unified", serves=("full",),
-           description="kvcore's unified tree (SGLang's default UnifiedRadixCache), component full, for "
-           "full-attention models"),
+    Target(name="kvcore-unified", backend="unified", serves=("full", "hybrid-swa"),
+           description="kvcore's unified tree (SGLang's default UnifiedRadixCache): component full for "
+           "full-attention models, components full + swa for hybrid SWA models (on SGLang's "
+           "SWATokenToKVPoolAllocator)"),
     Target(name="kvcore-chunk", backend="chunk", serves=("full",),
            description="no prefix reuse (SGLang's ChunkCache): chunked prefill only"),
 )

@@ -34,6 +34,7 @@ from sglang.srt.disaggregation.kv_events import (  # type: ignore[import-not-fou
     BlockStoredWithMetadata,
     StorageMedium,
 )
+from sglang.srt.environ import envs  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.allocator.paged import (  # type: ignore[import-not-found,unused-ignore]
     PagedTokenToKVPoolAllocator,
 )
@@ -49,9 +50,15 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-
     MatchPrefixParams,
     MatchResult,
 )
-from sglang.srt.mem_cache.common import free_kv_row_segments  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.common import (  # type: ignore[import-not-found,unused-ignore]
+    free_kv_row_segments,
+    free_swa_out_of_window_slots,
+)
 from sglang.srt.mem_cache.events import KVCacheEventRecorder  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool  # type: ignore[import-not-found,unused-ignore]
+from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[import-not-found,unused-ignore]
+    ComponentType,
+)
 from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64  # type: ignore[import-not-found,unused-ignore]
 from sglang.srt.runtime_context import mamba_cache_chunk_size  # type: ignore[import-not-found,unused-ignore]
 
@@ -78,10 +85,13 @@ __all__ = [
     "KvcoreMambaTreeCache",
     "KvcoreSWATreeCache",
     "KvcoreTreeCache",
+    "KvcoreUnifiedSWATreeCache",
+    "KvcoreUnifiedTreeCache",
     "ReqToTokenPoolView",
     "ReqView",
     "SWAAllocatorView",
     "SWAReqView",
+    "UnifiedSWAReqView",
     "UnsupportedContext",
     "build_tree_cache",
     "owner_of",
@@ -666,15 +676,26 @@ class SWAReqView(ReqView):
 
     __slots__ = ()
 
+    @staticmethod
+    def lock_from(swa_uuid_for_lock: int | None, skip_lock_node_ids: Any = None,
+                  swa_released: bool = False) -> LockResult:
+        """The kvcore lock SGLang's lock handle stands for (``skip_lock_node_ids``: SWARadixCache keeps none)."""
+        lock = LockResult(stop=swa_uuid_for_lock)
+        if swa_released:
+            lock.released_early.add("swa")
+        return lock
+
+    @staticmethod
+    def store(req: Any, lock: LockResult) -> None:
+        """Write a new kvcore lock back to SGLang's fields of ``req``."""
+        req.swa_uuid_for_lock = lock.stop
+
     @property
     def lock(self) -> Any:
         req = self.sglang
         if req.last_node is None:
             return None
-        lock = LockResult(stop=req.swa_uuid_for_lock)
-        if req.swa_prefix_lock_released:
-            lock.released_early.add("swa")
-        return lock
+        return self.lock_from(req.swa_uuid_for_lock, req.skip_lock_node_ids, req.swa_prefix_lock_released)
 
     @lock.setter
     def lock(self, lock: Any) -> None:
@@ -682,7 +703,40 @@ class SWAReqView(ReqView):
         # SGLang's cache_finished_req / cache_unfinished_req clear the early-release mark.
         req.swa_prefix_lock_released = False
         if lock is not None:
-            req.swa_uuid_for_lock = lock.stop
+            self.store(req, lock)
+
+
+#: Where kvcore's unified swa component keeps the tombstones its window lock passed over (LockResult.extras).
+UNIFIED_SWA_SKIP = "swa_skip"
+
+
+class UnifiedSWAReqView(SWAReqView):
+    """A request of a hybrid SWA model on SGLang's ``UnifiedRadixCache``: its lock adds the skipped tombstones.
+
+    SGLang's unified window lock passes over tombstones and records them in
+    ``req.skip_lock_node_ids[ComponentType.SWA]`` (so a tombstone healed since is not
+    unlocked); kvcore's unified swa component does the same in its lock's extras.
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def lock_from(swa_uuid_for_lock: int | None, skip_lock_node_ids: Any = None,
+                  swa_released: bool = False) -> LockResult:
+        lock = SWAReqView.lock_from(swa_uuid_for_lock, swa_released=swa_released)
+        lock.extras[UNIFIED_SWA_SKIP] = set((skip_lock_node_ids or {}).get(ComponentType.SWA, ()))
+        return lock
+
+    @staticmethod
+    def store(req: Any, lock: LockResult) -> None:
+        SWAReqView.store(req, lock)
+        req.skip_lock_node_ids = skip_ids(lock)
+
+
+def skip_ids(lock: LockResult) -> dict:
+    """SGLang's ``skip_lock_node_ids`` of a kvcore unified lock (empty when no tombstone was passed over)."""
+    skip = lock.extras.get(UNIFIED_SWA_SKIP)
+    return {ComponentType.SWA: set(skip)} if skip else {}
 
 
 class _Owner:
@@ -895,10 +949,12 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
     ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction.
     """
 
-    req_view = SWAReqView
+    req_view: type[SWAReqView] = SWAReqView
+    # SGLang's SWARadixCache reports full + window tokens to its eviction metrics.
+    metrics_count_swa = True
 
-    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
-        super().__init__(target, kvcore_cache, params)
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any, **kw: Any):
+        super().__init__(target, kvcore_cache, params, **kw)
         self.sliding_window_size = int(kvcore_cache.sliding_window_size)
 
     def supports_swa(self) -> bool:
@@ -908,8 +964,8 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
     def evict(self, params: EvictParams) -> EvictResult:
         start = time.perf_counter()
         done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
-        # SGLang's SWARadixCache reports full + window tokens to its metrics.
-        self.update_eviction_metrics(done.num_tokens_evicted + done.swa_num_tokens_evicted, start)
+        self.update_eviction_metrics(
+            done.num_tokens_evicted + (done.swa_num_tokens_evicted if self.metrics_count_swa else 0), start)
         self._flush_events()
         return EvictResult(num_tokens_evicted=done.num_tokens_evicted,
                            swa_num_tokens_evicted=done.swa_num_tokens_evicted)
@@ -920,16 +976,15 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None, skip_swa: bool = False
                      ) -> DecLockRefResult:
-        lock = LockResult(stop=None if params is None else params.swa_uuid_for_lock)
-        if skip_swa:
-            lock.released_early.add("swa")
+        lock = (self.req_view.lock_from(None, swa_released=skip_swa) if params is None else
+                self.req_view.lock_from(params.swa_uuid_for_lock, params.skip_lock_node_ids, skip_swa))
         self.kvcore_cache.dec_lock_ref(node, lock)
         return DecLockRefResult()
 
     def dec_swa_lock_only(self, node: Any, swa_uuid_for_lock: int | None = None,
                           skip_lock_node_ids: Any = None) -> None:
-        # skip_lock_node_ids: SGLang's own signature parity; its SWARadixCache ignores it too.
-        self.kvcore_cache.dec_swa_lock_only(node, LockResult(stop=swa_uuid_for_lock))
+        # skip_lock_node_ids: SGLang's SWARadixCache ignores it; its UnifiedRadixCache's window release too.
+        self.kvcore_cache.dec_swa_lock_only(node, self.req_view.lock_from(swa_uuid_for_lock, skip_lock_node_ids))
 
     # -- sizes (SGLang's SWARadixCache raises for the plain ones; the full side is answered)
     def full_evictable_size(self) -> int:
@@ -954,6 +1009,70 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
                 f"full_evictable_size={self.full_evictable_size()})\n"
                 f"Available swa tokens: {swa + self.swa_evictable_size()} ({swa=} + "
                 f"swa_evictable_size={self.swa_evictable_size()})\n")
+
+
+class _UnifiedAnswers:
+    """What SGLang's ``UnifiedRadixCache`` answers whatever its components (kvcore's ``unified`` behind it).
+
+    A disabled tree is a chunk cache, and ``inc_lock_ref`` reports the full tokens it
+    newly protected (its full component's delta; SGLang's RadixCache reports the change in
+    evictable tokens), the window lock's stop and the tombstones it passed over (none
+    without a swa component).
+    """
+
+    kvcore_cache: Any
+    disable: bool
+
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
+        super().__init__(target, kvcore_cache, params, chunk_when_disabled=True)  # type: ignore[call-arg]
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if self.disable:
+            return IncLockRefResult()
+        lock = self.kvcore_cache.inc_lock_ref(node)
+        return IncLockRefResult(delta=lock.delta, swa_uuid_for_lock=lock.stop, skip_lock_node_ids=skip_ids(lock))
+
+
+class KvcoreUnifiedTreeCache(_UnifiedAnswers, KvcoreTreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` with its one component full (a full-attention model)."""
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        # SGLang's unified tree core aggregates no delta here ("no caller uses it yet").
+        self.kvcore_cache.dec_lock_ref(node)
+        return DecLockRefResult()
+
+
+class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + swa, answered by kvcore's ``unified``.
+
+    The window contract is the SWA tree's (:class:`KvcoreSWATreeCache`); where SGLang's
+    unified tree answers otherwise, its answers (:class:`_UnifiedAnswers`, and: the plain
+    sizes are the full pool's where its SWARadixCache raises for them, the lock's skipped
+    tombstones go back to ``dec_lock_ref`` through ``req.skip_lock_node_ids``, its eviction
+    metrics count full tokens only, and ``cache_unfinished_req`` first frees what left the
+    request's window (``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``, on by default in 0.5.19).
+    """
+
+    req_view = UnifiedSWAReqView
+    metrics_count_swa = False
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
+        if not self.disable and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
+            # SGLang's unified swa component, before its insert: the frontier a page below the insert's end.
+            free_swa_out_of_window_slots(
+                req, len(req.get_fill_ids()) - 1, sliding_window_size=self.sliding_window_size,
+                page_size=self.page_size, req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, retain_floor=self.swa_retain_floor(req),
+            )
+        super().cache_unfinished_req(req, chunked, **kwargs)
+
+    def available_and_evictable_str(self) -> str:
+        alloc = self.token_to_kv_pool_allocator
+        full, swa = alloc.full_available_size(), alloc.swa_available_size()
+        full_ev, swa_ev = self.full_evictable_size(), self.swa_evictable_size()
+        return (f"Available full tokens: {full + full_ev} (full_available_size={full} + "
+                f"full_evictable_size_={full_ev})\n"
+                f"Available swa: {swa + swa_ev} (available_size={swa} + component_evictable_size_={swa_ev})\n")
 
 
 class KvcoreMambaTreeCache(KvcoreTreeCache):
@@ -1134,6 +1253,26 @@ def _build_kvcore(target: Target, backend: str, params: Any, **options: Any) -> 
     return cache
 
 
+def _swa_options(target: Target, params: Any) -> dict[str, int]:
+    """The window options of a kvcore SWA tree on SGLang's pools; refuses pools it cannot model."""
+    alloc = params.token_to_kv_pool_allocator
+    # Exactly SGLang's two-pool allocator: its pure-SWA and shared (multi-ended) variants keep
+    # other free lists, which kvcore's SWA allocator view does not model.
+    if type(alloc) is not SWATokenToKVPoolAllocator:
+        raise UnsupportedContext(
+            f"--radix-cache-backend {target.name}: needs SGLang's SWATokenToKVPoolAllocator (full + window "
+            f"pools), got {type(alloc).__name__}"
+        )
+    if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
+        raise UnsupportedContext(f"--radix-cache-backend {target.name}: a model with both sliding-window and "
+                                 "mamba layers (HybridReqToTokenPool) is not supported by kvcore")
+    if not params.sliding_window_size:
+        raise UnsupportedContext(f"--radix-cache-backend {target.name}: SGLang gave no sliding_window_size")
+    page_size = int(params.page_size)
+    return {"swa_size": int(alloc.size_swa) // page_size * page_size,
+            "sliding_window_size": int(params.sliding_window_size)}
+
+
 def _build_mamba(target: Target, params: Any) -> Any:
     """kvcore-mamba on SGLang's ``HybridReqToTokenPool`` (its ``MambaPool`` and slot allocator) and token allocator."""
     r2t, alloc = params.req_to_token_pool, params.token_to_kv_pool_allocator
@@ -1188,6 +1327,18 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             # Key checks are always on; the slot checks (claims) on request (strict_slots()).
             strict=strict_slots() and params.token_to_kv_pool_allocator is not None,
         )
+    elif target.backend == "unified" and ctx.is_hybrid_swa:
+        # SGLang's default tree on a hybrid SWA model: components full + swa on its two-pool allocator.
+        cache = _build_kvcore(
+            target, "unified", params,
+            components=("full", "swa"),
+            **_swa_options(target, params),
+            eviction_policy=str(params.eviction_policy).lower(),
+            enable_kv_events=bool(params.enable_kv_cache_events),
+            disable=bool(params.disable),
+            strict=strict_slots(),
+        )
+        return KvcoreUnifiedSWATreeCache(target, cache, params)
     elif target.backend == "unified":
         # SGLang's default tree; on a full-attention model its one component is full.
         cache = _build_kvcore(
@@ -1198,24 +1349,11 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             disable=bool(params.disable),
             strict=strict_slots(),
         )
+        return KvcoreUnifiedTreeCache(target, cache, params)
     elif target.backend == "swa":
-        alloc = params.token_to_kv_pool_allocator
-        # Exactly SGLang's two-pool allocator: its pure-SWA and shared (multi-ended) variants keep
-        # other free lists, which kvcore-swa's view does not model.
-        if type(alloc) is not SWATokenToKVPoolAllocator:
-            raise UnsupportedContext(
-                f"--radix-cache-backend {target.name}: needs SGLang's SWATokenToKVPoolAllocator (full + window "
-                f"pools), got {type(alloc).__name__}"
-            )
-        if isinstance(params.req_to_token_pool, HybridReqToTokenPool):
-            raise UnsupportedContext(f"--radix-cache-backend {target.name}: a model with both sliding-window and "
-                                     "mamba layers (HybridReqToTokenPool) is not supported by kvcore")
-        if not params.sliding_window_size:
-            raise UnsupportedContext(f"--radix-cache-backend {target.name}: SGLang gave no sliding_window_size")
         cache = _build_kvcore(
             target, "swa", params,
-            swa_size=int(alloc.size_swa) // int(params.page_size) * int(params.page_size),
-            sliding_window_size=int(params.sliding_window_size),
+            **_swa_options(target, params),
             eviction_policy=str(params.eviction_policy).lower(),
             enable_kv_events=bool(params.enable_kv_cache_events),
             disable=bool(params.disable),
@@ -1248,4 +1386,4 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             f"distribution's backend ({target.backend!r}) for full-attention models only; give the Target a "
             "builder for the other model kinds"
         )
-    return KvcoreTreeCache(target, cache, params, chunk_when_disabled=target.backend == "unified")
+    return KvcoreTreeCache(target, cache, params)

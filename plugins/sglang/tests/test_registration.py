@@ -159,35 +159,45 @@ def make_swa_ctx(server_args, *, page_size=1, size=64, size_swa=32, window=8, **
     )
 
 
-def test_create_tree_cache_builds_kvcore_swa_on_sglangs_swa_allocator(caplog):
-    from kvcore_sglang.v0_5_19 import KvcoreSWATreeCache
+@pytest.mark.parametrize(("name", "cls"), [("kvcore-swa", "KvcoreSWATreeCache"),
+                                          ("kvcore-unified", "KvcoreUnifiedSWATreeCache")])
+def test_create_tree_cache_builds_a_window_tree_on_sglangs_swa_allocator(caplog, name, cls):
+    """kvcore-swa (SWARadixCache) and kvcore-unified, whose SGLang counterpart on a hybrid SWA model is
+    its UnifiedRadixCache with components FULL + SWA."""
+    from kvcore_sglang import v0_5_19
 
     load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-swa") as server_args:
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
         ctx = make_swa_ctx(server_args, page_size=4, window=8)
         with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
             cache = create_tree_cache(ctx)
-    assert isinstance(cache, KvcoreSWATreeCache) and "source=registered('kvcore-swa')" in caplog.text
+    assert type(cache) is getattr(v0_5_19, cls) and f"source=registered('{name}')" in caplog.text
     assert cache.supports_swa() and cache.sliding_window_size == 8 and not cache.is_chunk_cache()
     view = cache.kvcore_cache.token_to_kv_pool_allocator
     assert view.sglang is ctx.params.token_to_kv_pool_allocator
     assert (view.size_full, view.size_swa) == (64, 32)
     assert cache.total_size() == (0, 0)
     assert cache.full_evictable_size() == cache.swa_evictable_size() == cache.swa_protected_size() == 0
+    if name == "kvcore-unified":
+        assert cache.kvcore_cache.config.components == ("full", "swa")
+        # As SGLang's UnifiedRadixCache: the plain sizes answered (the full pool's), no retain floor.
+        assert cache.evictable_size() == cache.protected_size() == 0 and cache.swa_retain_floor(None) is None
     kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
 
 
+@pytest.mark.parametrize("name", ["kvcore-swa", "kvcore-unified"])
 @pytest.mark.parametrize(
     ("ctx_options", "says"),
     [
         ({"eviction_policy": "lfu"}, "only 'lru' applies"),
         ({"is_eagle": True}, "EAGLE speculative decoding"),
         ({"window": 31}, "cannot hold one request's window"),
+        ({"window": None}, "SGLang gave no sliding_window_size"),
     ],
 )
-def test_kvcore_swa_refuses_what_it_cannot_serve(ctx_options, says):
+def test_kvcore_swa_refuses_what_it_cannot_serve(name, ctx_options, says):
     load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-swa") as server_args:
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
         ctx = make_swa_ctx(server_args, **ctx_options)
         with pytest.raises(UnsupportedContext, match=says):
             create_tree_cache(ctx)
@@ -202,6 +212,18 @@ def test_kvcore_swa_refuses_full_models_and_other_allocators():
             create_tree_cache(make_ctx(server_args))
         with pytest.raises(UnsupportedContext, match="needs SGLang's SWATokenToKVPoolAllocator"):
             create_tree_cache(make_ctx(server_args, hybrid_swa=True, sliding_window_size=8))
+
+
+def test_kvcore_unified_refuses_other_allocators_for_a_hybrid_swa_model():
+    load_plugins()
+    with get_context().override_server_args(radix_cache_backend="kvcore-unified") as server_args:
+        with pytest.raises(UnsupportedContext, match="needs SGLang's SWATokenToKVPoolAllocator"):
+            create_tree_cache(make_ctx(server_args, hybrid_swa=True, sliding_window_size=8))
+        # A full model on a two-pool allocator: neither component set fits it.
+        with pytest.raises(UnsupportedContext, match="a hybrid SWA allocator on a model not marked hybrid SWA"):
+            ctx = make_swa_ctx(server_args)
+            ctx.is_hybrid_swa = False
+            create_tree_cache(ctx)
 
 
 def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):

@@ -273,10 +273,11 @@ class SWAComponent(LRUValueComponent):
         opts = options if isinstance(options, SWAOptions) else SWAOptions.model_validate({})
         self.window = int(opts.sliding_window_size)
         alloc = cache.token_to_kv_pool_allocator
-        from kvcore.pools import SWATokenToKVPoolAllocator
-
-        if not isinstance(alloc, SWATokenToKVPoolAllocator):
-            raise TypeError(f"the swa component needs an SWATokenToKVPoolAllocator, got {type(alloc).__name__}")
+        # What the allocator declares about its pools (a window pool), not its class: kvcore's own
+        # SWATokenToKVPoolAllocator and a view of SGLang's (kvcore-sglang) both declare one.
+        if not any(view.windowed for view in alloc.pool_views()):
+            raise TypeError(f"the swa component needs an SWATokenToKVPoolAllocator (full and window pools), "
+                            f"got {type(alloc).__name__}, whose pools have no window")
         self.alloc = alloc
         self._uuids = itertools.count(1)
 
@@ -369,6 +370,8 @@ class SWAComponent(LRUValueComponent):
         mapping = alloc.full_to_swa_index_mapping
         mapping[kept] = swa
         mapping[incoming] = 0
+        # After the walk's duplicates so far, as SGLang applies its deferred actions in order.
+        self.cache.flush_duplicates()
         alloc.free_full(incoming)
         self.set_value(node, swa)
 

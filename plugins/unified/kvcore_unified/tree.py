@@ -140,6 +140,9 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._time = 0.0
         # While an eviction runs: the full slots it frees, given back in one call at its end.
         self.free_batch: list[torch.Tensor] | None = None
+        # While an insert walk runs: the caller's duplicates found so far, with their row positions,
+        # freed in walk order (SGLang's deferred FreeDeviceKV actions; see flush_duplicates).
+        self.insert_dups: list[tuple[torch.Tensor, int]] | None = None
         for c in self.aux:
             # What the component adds to the cache's surface (swa: sliding_window_size,
             # swa_evictable_size(), ...; mamba: mamba_pool, ...).
@@ -445,14 +448,34 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if not aux:
             return self._insert_full(ids, extra_key, n, value, ins, rk)
         root = self.root_node
-        ps = self.page_size
         root.last_access_time = self.tick()
         if ins.priority > root.priority:
             root.priority = ins.priority
-        node = root
+        dups: list[tuple[torch.Tensor, int]] = []
+        self.insert_dups = dups
+        try:
+            pos, node = self._insert_walk(ids, extra_key, n, value, ins, root, dups)
+            self.flush_duplicates()
+        finally:
+            self.insert_dups = None
+        ins.prefix_len = pos
+        new_leaf = pos < n
+        if new_leaf:
+            node = self.add_leaf(node, ids[pos:n], extra_key, value[pos:n], ins.priority, claimed=ins.claimed)
+        for c in aux:
+            c.on_insert_commit(node, new_leaf, ins)
+        if node is not root:
+            for c in aux:
+                c.after_insert(node)
+        return pos, node
+
+    def _insert_walk(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor, ins: InsertArgs,
+                     node: UnifiedNode, dups: list[tuple[torch.Tensor, int]]) -> tuple[int, UnifiedNode]:
+        """The general insert's walk down the cached part; the caller's duplicates go to ``dups``."""
+        aux = self.aux
+        ps = self.page_size
         pos = 0
         prev = ins.prev_prefix_len
-        dups: list[torch.Tensor] = []
         while pos < n:
             child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
             if child is None:
@@ -473,24 +496,38 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
                     consumed = got
             dup_start = prev - pos if prev > pos else 0
             if dup_start < consumed:
-                dups.append(value_slice[dup_start:consumed])
+                dups.append((value_slice[dup_start:consumed], pos + dup_start))
             if not ins.chunked:
                 child.hit_count += 1
             node = child
             pos += plen
-        if dups:
-            # The caller's copies of what the tree held, in one free (SGLang frees them per node).
-            self.token_to_kv_pool_allocator.free(dups[0] if len(dups) == 1 else torch.cat(dups))
-        ins.prefix_len = pos
-        new_leaf = pos < n
-        if new_leaf:
-            node = self.add_leaf(node, ids[pos:n], extra_key, value[pos:n], ins.priority, claimed=ins.claimed)
-        for c in aux:
-            c.on_insert_commit(node, new_leaf, ins)
-        if node is not root:
-            for c in aux:
-                c.after_insert(node)
         return pos, node
+
+    def flush_duplicates(self) -> None:
+        """Free the running insert walk's duplicates found so far (none: nothing to do).
+
+        SGLang defers them as actions in walk order and frees them before the full
+        slots a later node of the walk gives back (a healed tombstone's), so
+        :meth:`replace_full` and a locked recovery call this before their own frees.
+        """
+        dups = self.insert_dups
+        if dups:
+            self._free_pieces(dups)
+            dups.clear()
+
+    def _free_pieces(self, pieces: list[tuple[torch.Tensor, int]]) -> None:
+        """Free the caller's row pieces ``(slots, row position)``, root first, as SGLang frees them node by node.
+
+        At page 1 a free appends its slots, so one free of the concatenation leaves the
+        same order; with pages each free puts its pages at the front of the free list, so
+        there it is one free per piece.
+        """
+        alloc = self.token_to_kv_pool_allocator
+        if self.page_size == 1:
+            alloc.free(pieces[0][0] if len(pieces) == 1 else torch.cat([p for p, _ in pieces]))
+            return
+        for piece, start in pieces:
+            alloc.free_segments([(piece, start)])
 
     def _insert_full(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
                      ins: InsertArgs, rk: RadixKey | None, upper: list[UnifiedNode] | None = None
@@ -599,24 +636,20 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
 
         Under strict the allocator refuses a node's own slots given back as "duplicates" (use
-        after free).  SGLang frees them node by node, root first (``free_segment``); at page 1 a
-        free appends its slots, so one free leaves the same order, but with pages each free puts
-        its pages at the front of the free list, so there it is one free per node, as SGLang's.
+        after free).  SGLang frees them node by node, root first (``free_segment``): at page 1
+        that is one free of the range (:meth:`_free_pieces`).
         """
-        alloc = self.token_to_kv_pool_allocator
         if self.page_size == 1:
-            alloc.free(value[prev:pos])
+            self.token_to_kv_pool_allocator.free(value[prev:pos])
             return
         pieces = []
         end, x = pos, last
         while x is not self.root_node and end > prev:
-            start = end - len(x.key)
-            pieces.append(max(start, prev))
-            pieces.append(end)
-            end, x = start, x.parent
-        for i in range(len(pieces) - 2, -1, -2):
-            lo, hi = pieces[i], pieces[i + 1]
-            alloc.free_segments([(value[lo:hi], lo)])
+            start = max(end - len(x.key), prev)
+            pieces.append((value[start:end], start))
+            end, x = end - len(x.key), x.parent
+        pieces.reverse()
+        self._free_pieces(pieces)
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
@@ -647,6 +680,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             alloc.disown(old)
             alloc.claim(new, checked=False)
         node.value = new.clone()
+        self.flush_duplicates()
         if free_old == "full":
             alloc.free_full(old)
         else:
