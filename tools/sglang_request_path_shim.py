@@ -471,6 +471,10 @@ class MambaWorld(World):
         )
 
     def sglang_cache(self, cache_kind: str, init: Any) -> Any:
+        if cache_kind == "unified-mamba":
+            # SGLang's default tree on a hybrid SSM model (registry._create_unified_radix_cache).
+            init.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
+            return UnifiedRadixCache(init)
         assert cache_kind == "mamba", cache_kind
         return MambaRadixCache(init)
 
@@ -619,14 +623,29 @@ def mamba_tree_dump(root: Any) -> list:
         path, node = stack.pop()
         key = list(node.key.token_ids) if isinstance(node.key, RadixKey) else list(node.key)
         full = path + tuple(key)
-        value = [] if node.value is None or isinstance(node.value, list) else node.value.tolist()
-        lock = node.full_lock_ref if hasattr(node, "full_lock_ref") else node.lock_ref
-        state = None if node.mamba_value is None else node.mamba_value.tolist()
-        out.append((full, value, None if node is root else lock, None if node is root else node.mamba_lock_ref,
-                    state))
+        value, lock, state_lock, state = mamba_state(node)
+        values = [] if value is None or isinstance(value, list) else value.tolist()
+        out.append((full, values, None if node is root else lock, None if node is root else state_lock,
+                    None if state is None else state.tolist()))
         for child in node.children.values():
             stack.append((full, child))
     return sorted(out, key=repr)
+
+
+def mamba_state(node: Any) -> tuple:
+    """(full slots, full lock, state lock, state slot) of a node of a Mamba tree, whichever layout.
+
+    SGLang's unified node keeps them in its FULL and MAMBA component data; its
+    MambaRadixCache node in ``value``, ``full_lock_ref``, ``mamba_lock_ref`` and
+    ``mamba_value``; kvcore's nodes (mamba and unified) in ``value``, ``lock_ref``,
+    ``mamba_lock_ref`` and ``mamba_value``.
+    """
+    data = getattr(node, "component_data", None)
+    if data is not None:
+        full, state = data[ComponentType.FULL], data[ComponentType.MAMBA]
+        return full.value, full.lock_ref, state.lock_ref, state.value
+    lock = node.full_lock_ref if hasattr(node, "full_lock_ref") else node.lock_ref
+    return node.value, lock, node.mamba_lock_ref, node.mamba_value
 
 
 def full_total(cache: Any) -> int:

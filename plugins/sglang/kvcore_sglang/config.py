@@ -40,10 +40,11 @@ TARGETS: tuple[Target, ...] = (
     Target(name="kvcore-mamba", backend="mamba", serves=("hybrid-ssm",),
            description="kvcore's Mamba tree (SGLang's MambaRadixCache) for hybrid SSM models, on SGLang's "
            "HybridReqToTokenPool and MambaPool"),
-    Target(name="kvcore-unified", backend="unified", serves=("full", "hybrid-swa"),
+    Target(name="kvcore-unified", backend="unified", serves=("full", "hybrid-swa", "hybrid-ssm"),
            description="kvcore's unified tree (SGLang's default UnifiedRadixCache): component full for "
            "full-attention models, components full + swa for hybrid SWA models (on SGLang's "
-           "SWATokenToKVPoolAllocator)"),
+           "SWATokenToKVPoolAllocator), components full + mamba for hybrid SSM models (on SGLang's "
+           "HybridReqToTokenPool)"),
     Target(name="kvcore-chunk", backend="chunk", serves=("full",),
            description="no prefix reuse (SGLang's ChunkCache): chunked prefill only"),
 )

@@ -85,6 +85,7 @@ __all__ = [
     "KvcoreMambaTreeCache",
     "KvcoreSWATreeCache",
     "KvcoreTreeCache",
+    "KvcoreUnifiedMambaTreeCache",
     "KvcoreUnifiedSWATreeCache",
     "KvcoreUnifiedTreeCache",
     "ReqToTokenPoolView",
@@ -1159,6 +1160,25 @@ class KvcoreMambaTreeCache(KvcoreTreeCache):
                 f"mamba_evictable_size={self.mamba_evictable_size()}\n")
 
 
+class KvcoreUnifiedMambaTreeCache(_UnifiedAnswers, KvcoreMambaTreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + mamba, answered by kvcore's ``unified``.
+
+    The state contract is the Mamba tree's (:class:`KvcoreMambaTreeCache`: the copy-on-write
+    match, ``mamba_branching_seqlen``, two-pool eviction, the full/mamba sizes, ``total_size()
+    -> (full tokens, states)``); the lock answers are SGLang's unified tree's
+    (:class:`_UnifiedAnswers`).
+    """
+
+    def available_and_evictable_str(self) -> str:
+        full = self.token_to_kv_pool_allocator.available_size()
+        states = self.req_to_token_pool.mamba_allocator.available_size()
+        full_ev, states_ev = self.full_evictable_size(), self.mamba_evictable_size()
+        return (f"Available full tokens: {full + full_ev} (full_available_size={full} + "
+                f"full_evictable_size_={full_ev})\n"
+                f"Available mamba: {states + states_ev} (available_size={states} + "
+                f"component_evictable_size_={states_ev})\n")
+
+
 # ---------------------------------------------------------------------------- factories
 
 
@@ -1273,8 +1293,8 @@ def _swa_options(target: Target, params: Any) -> dict[str, int]:
             "sliding_window_size": int(params.sliding_window_size)}
 
 
-def _build_mamba(target: Target, params: Any) -> Any:
-    """kvcore-mamba on SGLang's ``HybridReqToTokenPool`` (its ``MambaPool`` and slot allocator) and token allocator."""
+def _mamba_options(target: Target, params: Any) -> dict[str, Any]:
+    """The state options of a kvcore tree on SGLang's ``HybridReqToTokenPool``; refuses what it cannot serve."""
     r2t, alloc = params.req_to_token_pool, params.token_to_kv_pool_allocator
     name = f"--radix-cache-backend {target.name}"
     # Exactly SGLang's static pools: the unified (shared-memory) variants hand out virtual state ids.
@@ -1292,23 +1312,29 @@ def _build_mamba(target: Target, params: Any) -> Any:
                                  "extra_buffer_lazy) is not supported by kvcore: use extra_buffer or no_buffer")
     if int(params.page_size) > 1 and not r2t.enable_mamba_extra_buffer:
         raise UnsupportedContext(f"{name}: page size {params.page_size} needs the extra-buffer Mamba strategy "
-                                 "(--mamba-scheduler-strategy extra_buffer), as SGLang's MambaRadixCache does")
+                                 "(--mamba-scheduler-strategy extra_buffer), as SGLang's Mamba trees do")
     if r2t.mamba_ckpt_pool is not None:
         raise UnsupportedContext(f"{name}: int8 Mamba checkpoints (--enable-int8-mamba-checkpoint) are not "
                                  "supported by kvcore (drop the flag)")
     if r2t.mamba_pool.replayssm_write_pos is not None:
         raise UnsupportedContext(f"{name}: ReplaySSM (--enable-linear-replayssm) is not supported by kvcore "
                                  "(drop the flag)")
-    return _build_kvcore(
-        target, "mamba", params,
-        mamba_size=int(r2t.mamba_allocator.size),
-        # SGLang's caching point granularity, as its MambaRadixCache reads it.
-        mamba_cache_chunk_size=int(mamba_cache_chunk_size()),
-        eviction_policy=str(params.eviction_policy).lower(),
-        enable_kv_events=bool(params.enable_kv_cache_events),
-        disable=bool(params.disable),
-        strict=strict_slots(),
-    )
+    return {
+        "mamba_size": int(r2t.mamba_allocator.size),
+        # SGLang's caching point granularity, as its own Mamba trees read it.
+        "mamba_cache_chunk_size": int(mamba_cache_chunk_size()),
+    }
+
+
+def _tree_options(params: Any) -> dict[str, Any]:
+    """The options every kvcore tree takes from SGLang's ``CacheInitParams`` (and ``KVCORE_SGLANG_STRICT``)."""
+    return {
+        "eviction_policy": str(params.eviction_policy).lower(),
+        "enable_kv_events": bool(params.enable_kv_cache_events),
+        "disable": bool(params.disable),
+        # Key checks are always on; the slot checks (claims) on request, with an allocator to check against.
+        "strict": strict_slots() and params.token_to_kv_pool_allocator is not None,
+    }
 
 
 def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
@@ -1321,11 +1347,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
                                      "on a model not marked hybrid SSM")
         cache = _build_kvcore(
             target, "radix", params,
-            eviction_policy=str(params.eviction_policy).lower(),
-            enable_kv_events=bool(params.enable_kv_cache_events),
-            disable=bool(params.disable),
-            # Key checks are always on; the slot checks (claims) on request (strict_slots()).
-            strict=strict_slots() and params.token_to_kv_pool_allocator is not None,
+            **_tree_options(params),
         )
     elif target.backend == "unified" and ctx.is_hybrid_swa:
         # SGLang's default tree on a hybrid SWA model: components full + swa on its two-pool allocator.
@@ -1333,35 +1355,32 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             target, "unified", params,
             components=("full", "swa"),
             **_swa_options(target, params),
-            eviction_policy=str(params.eviction_policy).lower(),
-            enable_kv_events=bool(params.enable_kv_cache_events),
-            disable=bool(params.disable),
-            strict=strict_slots(),
+            **_tree_options(params),
         )
         return KvcoreUnifiedSWATreeCache(target, cache, params)
+    elif target.backend == "unified" and ctx.is_hybrid_ssm:
+        # SGLang's default tree on a hybrid SSM model: components full + mamba on its HybridReqToTokenPool.
+        cache = _build_kvcore(target, "unified", params, components=("full", "mamba"),
+                              **_mamba_options(target, params), **_tree_options(params))
+        return KvcoreUnifiedMambaTreeCache(target, cache, params)
     elif target.backend == "unified":
         # SGLang's default tree; on a full-attention model its one component is full.
         cache = _build_kvcore(
             target, "unified", params,
             components=("full",),
-            eviction_policy=str(params.eviction_policy).lower(),
-            enable_kv_events=bool(params.enable_kv_cache_events),
-            disable=bool(params.disable),
-            strict=strict_slots(),
+            **_tree_options(params),
         )
         return KvcoreUnifiedTreeCache(target, cache, params)
     elif target.backend == "swa":
         cache = _build_kvcore(
             target, "swa", params,
             **_swa_options(target, params),
-            eviction_policy=str(params.eviction_policy).lower(),
-            enable_kv_events=bool(params.enable_kv_cache_events),
-            disable=bool(params.disable),
-            strict=strict_slots(),
+            **_tree_options(params),
         )
         return KvcoreSWATreeCache(target, cache, params)
     elif target.backend == "mamba":
-        return KvcoreMambaTreeCache(target, _build_mamba(target, params), params)
+        cache = _build_kvcore(target, "mamba", params, **_mamba_options(target, params), **_tree_options(params))
+        return KvcoreMambaTreeCache(target, cache, params)
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")
@@ -1375,10 +1394,7 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: {exc}") from None
         cache = _build_kvcore(
             target, target.backend, params,
-            eviction_policy=str(params.eviction_policy).lower(),
-            enable_kv_events=bool(params.enable_kv_cache_events),
-            disable=bool(params.disable),
-            strict=strict_slots() and params.token_to_kv_pool_allocator is not None,
+            **_tree_options(params),
         )
     else:
         raise UnsupportedContext(

@@ -86,3 +86,18 @@ def test_kvcore_mamba_disabled_matches_sglang():
     """``disable``: nothing matched or kept, every state slot given back with its request."""
     run_stream(3, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=150, world=MambaWorld,
                size=160, world_options=dict(mamba_size=24, chunk_size=4), chunks=(1000,), disable=True)
+
+
+@pytest.mark.parametrize(("page_size", "extra_buffer"), [(1, False), (4, True)])
+def test_kvcore_unified_matches_sglang_unified_radix_cache_on_a_hybrid_ssm_model(page_size, extra_buffer):
+    """``kvcore-unified`` on a hybrid SSM model: kvcore's unified tree, components full + mamba, against SGLang's
+    default ``UnifiedRadixCache`` with the same components (``registry._create_unified_radix_cache``)."""
+    total: Counter = Counter()
+    with get_context().override_server_args(mamba_track_interval=16):
+        for seed in range(3):
+            total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name="kvcore-unified",
+                                    page_size=page_size, steps=250, world=MambaWorld, size=160, finish_weight=1,
+                                    world_options=dict(mamba_size=40, chunk_size=8, extra_buffer=extra_buffer),
+                                    chunks=(8, 16, 1000), enable_kv_cache_events=seed % 2 == 1))
+    for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "match_waiting"):
+        assert total[what] > 0, total

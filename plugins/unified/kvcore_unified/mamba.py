@@ -26,9 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from kvcore.cache import InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.pools.mamba_pool import (
-    HybridReqToTokenPool,
-    MambaPool,
     MambaRequestStates,
+    MambaRequestTable,
     MambaStateOptions,
     mamba_state_of,
 )
@@ -75,10 +74,13 @@ class MambaComponent(LRUValueComponent):
         super().__init__(cache, options)
         opts = options if isinstance(options, MambaOptions) else MambaOptions.model_validate({})
         r2t = cache.req_to_token_pool
-        if not isinstance(r2t, HybridReqToTokenPool):
-            raise TypeError(f"the mamba component needs a HybridReqToTokenPool, got {type(r2t).__name__}")
+        if not isinstance(r2t, MambaRequestTable):
+            raise TypeError(f"the mamba component needs a request table with state slots (a HybridReqToTokenPool), "
+                            f"got {type(r2t).__name__}")
         self.r2t = r2t
-        self.mamba_pool: MambaPool = r2t.mamba_pool
+        # kvcore's MambaPool, or an engine's state pool behind its table (kvcore-sglang's view of SGLang's).
+        self.mamba_pool: Any = r2t.mamba_pool
+        self.mamba_allocator: Any = r2t.mamba_allocator
         self.chunk = int(opts.mamba_cache_chunk_size)
         if cache.page_size > 1 and not r2t.extra_buffer:
             raise ValueError(f"page_size={cache.page_size}: the mamba component needs the extra-buffer request "
@@ -95,7 +97,7 @@ class MambaComponent(LRUValueComponent):
                 "mamba_cache_chunk_size": self.chunk, "track_mamba_state": self.states.track}
 
     def pool_views(self) -> list[Any]:
-        return [PoolView("mamba", self.mamba_pool.allocator, record_slots=_record_slots)]
+        return [PoolView("mamba", self.mamba_allocator, record_slots=_record_slots)]
 
     # -- per node ----------------------------------------------------------------------
     def has_value(self, node: UnifiedNode) -> bool:
@@ -113,7 +115,7 @@ class MambaComponent(LRUValueComponent):
     def free_value(self, node: UnifiedNode) -> int:
         v = node.mamba_value
         if self.cache.strict:
-            self.mamba_pool.allocator.disown(v)
+            self.mamba_allocator.disown(v)
         self.mamba_pool.free(v)
         return self.forget_value(node)
 
@@ -121,7 +123,7 @@ class MambaComponent(LRUValueComponent):
         # Under strict the tree claims every state slot it keeps, so a second node (or a
         # caller's free) offering it again is refused, as for the full pool's slots.
         if self.cache.strict:
-            self.mamba_pool.allocator.claim(value, checked=False)
+            self.mamba_allocator.claim(value, checked=False)
         super().set_value(node, value)
 
     def on_split(self, upper: UnifiedNode, child: UnifiedNode) -> None:
@@ -204,7 +206,7 @@ class MambaComponent(LRUValueComponent):
             raise ValueError(f"insert: mamba_value must be a one-slot integer tensor, got {v!r}")
         v = v.reshape(1).to(torch.int64)
         if self.cache.strict:
-            self.mamba_pool.allocator.check_claimable(v, what="insert mamba_value")
+            self.mamba_allocator.check_claimable(v, what="insert mamba_value")
         ins.mamba_value = v
 
     def before_insert(self, value: torch.Tensor | None, ins: InsertArgs) -> None:
