@@ -139,6 +139,42 @@ class TokenToKVPoolAllocator:
         """A cache gives up ``slots`` (before freeing them); ids outside the pool are ignored."""
         self.claims.disown(self.ops.view(self.as_slots(slots)))
 
+    def free_and_claim(self, value: torch.Tensor, lo: int, mid: int, hi: int, cuts: Sequence[int] = (), *,
+                       claim: bool) -> bool:
+        """A tree insert's pool work in one call, when it is simple: ``value[lo:mid]`` freed (the
+        caller's duplicates of what the tree holds) and, with ``claim``, ``value[mid:hi]`` claimed
+        (the new leaf's slots), when ``value[lo:hi]`` (non-empty, page-aligned positions) is one
+        ascending run of whole pages in range, none of it free or claimed: one range check and a
+        slice per map.  Paged, the freed part goes back as one ``free_segment`` per piece ending at
+        each of ``cuts`` (ascending, the last one ``mid``), in order, as SGLang frees a path node by
+        node; at page 1 a free appends, so one piece leaves the same order.
+
+        Returns False, changing nothing, otherwise (or inside a free group): the caller then takes
+        the general path (``check_claimable``, ``free``), which names what is wrong.
+        """
+        if self._group is not None:
+            return False
+        s = self.ops.view(value)
+        a0 = self.claims.run_claimable(s[lo:hi])
+        if a0 < 0:
+            return False
+        if claim:
+            self.claims.claim_run(a0 + mid - lo, hi - mid)
+        if mid > lo:
+            pages = self.pages
+            p = self.page_size
+            first = pages.page_ids(a0)
+            if p == 1 or not cuts:
+                counts: list[int] = [(mid - lo) // p]
+            else:
+                counts = []
+                start = lo
+                for end in cuts:
+                    counts.append((end - start) // p)
+                    start = end
+            pages.release_run(first, counts)
+        return True
+
     def claimed_slots(self) -> torch.Tensor:
         """Every slot a cache claimed and has not disowned, ascending."""
         claimed = self.claims.claimed()

@@ -27,6 +27,7 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.components import TreeComponent, get_component
 from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
+from kvcore.pools import TokenToKVPoolAllocator
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
@@ -99,6 +100,8 @@ class InsertArgs:
     own_state: bool = False
     # The full-only walk already claimed the new leaf's slots (strict).
     claimed: bool = False
+    # The full-only walk already freed the caller's duplicates (with the claim, in one pool call).
+    duplicates_freed: bool = False
     # A request's row range holding the value's new slots was checked claimable already (the row's claim).
     row_checked: bool = False
 
@@ -136,6 +139,10 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         for c in self.aux:
             self._node_fields.update(c.node_fields)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        # A full-only tree on kvcore's own token allocator frees an insert's duplicates and claims its
+        # new leaf in one call (TokenToKVPoolAllocator.free_and_claim); any other allocator: free, claim.
+        alloc = self.token_to_kv_pool_allocator
+        self._run_pool = alloc if not self.aux and isinstance(alloc, TokenToKVPoolAllocator) else None
         self._events: list[Any] = []
         self._time = 0.0
         # While an eviction runs: the full slots it frees, given back in one call at its end.
@@ -510,7 +517,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             root.priority = ins.priority
         pos, node, ids, leaf_value = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
         prev = ins.prev_prefix_len
-        if prev < pos:
+        if prev < pos and not ins.duplicates_freed:
             self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
         if leaf_value is not None:
@@ -571,10 +578,19 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if start < n:
             # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
             leaf_value = torch.narrow_copy(value, 0, start, n - start)
-            if self.strict and not ins.row_checked:
-                # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
-                self.token_to_kv_pool_allocator.check_claimable(leaf_value, commit=True)
-                ins.claimed = True
+        prev = ins.prev_prefix_len
+        lo = prev if prev < start else start
+        pool = self._run_pool
+        if lo < n and pool is not None:
+            # The usual value (one run of slots, none free, none the tree's): the duplicates freed and
+            # the new leaf's slots claimed in one pool call, before anything here changes.
+            cuts = self._duplicate_cuts(path, m, prev, start) if self.page_size > 1 and lo < start else ()
+            if pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict):
+                ins.claimed = ins.duplicates_freed = True
+        if leaf_value is not None and self.strict and not ins.claimed and not ins.row_checked:
+            # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
+            self.token_to_kv_pool_allocator.check_claimable(leaf_value, commit=True)
+            ins.claimed = True
         prio = ins.priority
         hit = 0 if ins.chunked else 1
         t = self._time
@@ -594,6 +610,23 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             node.hit_count += hit
             pos += m
         return pos, node, ids, leaf_value
+
+    @staticmethod
+    def _duplicate_cuts(path: list[UnifiedNode], m: int, prev: int, start: int) -> list[int]:
+        """Where the duplicates ``[prev, start)`` end node by node, root side first: the ends of the
+        path's nodes (``m``: the tokens of the node a split is about to cut off ``path``'s end)."""
+        cuts = []
+        end = start
+        if m:
+            cuts.append(end)
+            end -= m
+        i = len(path) - 1
+        while end > prev:
+            cuts.append(end)
+            end -= len(path[i].key)
+            i -= 1
+        cuts.reverse()
+        return cuts
 
     def _free_duplicates(self, last: UnifiedNode, value: torch.Tensor, prev: int, pos: int) -> None:
         """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
