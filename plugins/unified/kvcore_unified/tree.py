@@ -100,8 +100,6 @@ class InsertArgs:
     own_state: bool = False
     # The full-only walk already claimed the new leaf's slots (strict).
     claimed: bool = False
-    # The full-only walk already freed the caller's duplicates (with the claim, in one pool call).
-    duplicates_freed: bool = False
     # A request's row range holding the value's new slots was checked claimable already (the row's claim).
     row_checked: bool = False
 
@@ -516,9 +514,6 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if ins.priority > root.priority:
             root.priority = ins.priority
         pos, node, ids, leaf_value = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
-        prev = ins.prev_prefix_len
-        if prev < pos and not ins.duplicates_freed:
-            self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
         if leaf_value is not None:
             node = self.add_leaf(node, ids[pos:n], extra_key, leaf_value, ins.priority, ins.claimed, own=True)
@@ -578,19 +573,29 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if start < n:
             # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
             leaf_value = torch.narrow_copy(value, 0, start, n - start)
+        # The pool's part, before anything here changes: the caller's duplicates ``[prev, start)``
+        # freed, the new leaf's slots claimed (strict), or the insert refused with nothing changed.
         prev = ins.prev_prefix_len
         lo = prev if prev < start else start
+        cuts = self._duplicate_cuts(path, m, prev, start) if self.page_size > 1 and prev < start else ()
         pool = self._run_pool
-        if lo < n and pool is not None:
-            # The usual value (one run of slots, none free, none the tree's): the duplicates freed and
-            # the new leaf's slots claimed in one pool call, before anything here changes.
-            cuts = self._duplicate_cuts(path, m, prev, start) if self.page_size > 1 and lo < start else ()
-            if pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict):
-                ins.claimed = ins.duplicates_freed = True
-        if leaf_value is not None and self.strict and not ins.claimed and not ins.row_checked:
-            # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
-            self.token_to_kv_pool_allocator.check_claimable(leaf_value, commit=True)
+        if lo < n and pool is not None and pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict):
+            # The usual value (one run of slots, none free, none the tree's): one pool call.
             ins.claimed = True
+        else:
+            alloc = self.token_to_kv_pool_allocator
+            claim = leaf_value is not None and self.strict and not ins.row_checked
+            if claim:
+                # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
+                alloc.check_claimable(leaf_value, commit=True)
+                ins.claimed = True
+            if prev < start:
+                try:
+                    self._free_duplicates(value, prev, start, cuts)
+                except BaseException:
+                    if claim:
+                        alloc.disown(leaf_value)  # a refused free (e.g. the tree's own slots): undo the claim
+                    raise
         prio = ins.priority
         hit = 0 if ins.chunked else 1
         t = self._time
@@ -628,28 +633,26 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         cuts.reverse()
         return cuts
 
-    def _free_duplicates(self, last: UnifiedNode, value: torch.Tensor, prev: int, pos: int) -> None:
-        """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
+    def _free_duplicates(self, value: torch.Tensor, prev: int, start: int, cuts: Sequence[int]) -> None:
+        """Free the caller's copies ``value[prev:start]`` of what the tree's path holds, in one call
+        (checked as a whole: refused, nothing freed, on a bad slot).
 
         Under strict the allocator refuses a node's own slots given back as "duplicates" (use
         after free).  SGLang frees them node by node, root first (``free_segment``); at page 1 a
         free appends its slots, so one free leaves the same order, but with pages each free puts
-        its pages at the front of the free list, so there it is one free per node, as SGLang's.
+        its pages at the front of the free list, so there it is one piece per node (ending at
+        each of ``cuts``), as ``free_segments`` gives them back.
         """
         alloc = self.token_to_kv_pool_allocator
         if self.page_size == 1:
-            alloc.free(value[prev:pos])
+            alloc.free(value[prev:start])
             return
         pieces = []
-        end, x = pos, last
-        while x is not self.root_node and end > prev:
-            start = end - len(x.key)
-            pieces.append(max(start, prev))
-            pieces.append(end)
-            end, x = start, x.parent
-        for i in range(len(pieces) - 2, -1, -2):
-            lo, hi = pieces[i], pieces[i + 1]
-            alloc.free_segments([(value[lo:hi], lo)])
+        lo = prev
+        for end in cuts:
+            pieces.append((value[lo:end], lo))
+            lo = end
+        alloc.free_segments(pieces)
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
                  priority: int = 0, claimed: bool = False, own: bool = False) -> UnifiedNode:
