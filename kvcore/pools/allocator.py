@@ -161,18 +161,12 @@ class TokenToKVPoolAllocator:
         if claim:
             self.claims.claim_run(a0 + mid - lo, hi - mid)
         if mid > lo:
-            pages = self.pages
             p = self.page_size
-            first = pages.page_ids(a0)
-            if p == 1 or not cuts:
-                counts: list[int] = [(mid - lo) // p]
+            if p == 1 or len(cuts) < 2:
+                counts: Sequence[int] = ((mid - lo) // p,)
             else:
-                counts = []
-                start = lo
-                for end in cuts:
-                    counts.append((end - start) // p)
-                    start = end
-            pages.release_run(first, counts)
+                counts = [(end - start) // p for start, end in zip([lo, *cuts[:-1]], cuts)]
+            self.pages.release_run(s[lo:mid] if p == 1 else self.pages.page_ids(s[lo:mid:p]), counts)
         return True
 
     def claimed_slots(self) -> torch.Tensor:

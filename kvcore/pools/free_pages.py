@@ -91,15 +91,19 @@ class FreePageRing:
         self.free[pages] = 1
         self.push(pages)
 
-    def release_run(self, first: int, counts: Sequence[int]) -> None:
-        """Give back the handed-out pages ``first, first + 1, ...`` (checked by the caller: in range,
-        none free) as consecutive pieces of ``counts[i]`` pages, each pushed as one free of it
-        would push it (paged: each piece in front of the ones before, SGLang's per-node order)."""
-        total = sum(counts)
-        self.free[first : first + total] = 1
+    def release_run(self, pages: Array, counts: Sequence[int]) -> None:
+        """Give back ``pages``: handed-out page ids ``first, first + 1, ...`` (checked by the caller:
+        in range, none free), as consecutive pieces of ``counts[i]`` pages, each pushed as one free
+        of it would push it (paged: each piece in front of the ones before, SGLang's per-node order)."""
+        first = int(pages[0])
+        self.free[first : first + len(pages)] = 1
+        if len(counts) == 1:
+            self.push(pages)
+            return
+        at = 0
         for c in counts:
-            self.push(self.ops.arange(first, first + c))
-            first += c
+            self.push(pages[at : at + c])
+            at += c
 
     def release(self, slots: Array) -> Array:
         """Check ``slots`` (non-empty) and give their pages back; returns those pages."""
