@@ -143,21 +143,25 @@ def test_one_call_free_and_claim_same_as_general_path(ps, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("ps", [1, 4])
-@pytest.mark.parametrize("fast", [True, False])
-def test_insert_of_the_trees_own_slots_changes_nothing(ps, fast, monkeypatch):
+@pytest.mark.parametrize("run", [True, False])
+def test_insert_of_the_trees_own_slots_changes_nothing(ps, run):
     """Duplicates that are the tree's own slots (a use after free) are refused before anything
-    changes, on the one-call path and on the general one (out-of-order slots)."""
+    changes: a value that is one run of slots (the tree's, then fresh ones right after them) and
+    one that is not (two nodes' slots, fresh ones out of order)."""
     c = _cache(ps)
     alloc = c.token_to_kv_pool_allocator
     c.insert(RadixKey(list(range(10, 10 + 2 * ps))), alloc.alloc(2 * ps))
-    c.insert(RadixKey(list(range(10, 10 + ps)) + [99] * ps), alloc.alloc(2 * ps))  # two nodes on the path
+    if not run:
+        c.insert(RadixKey(list(range(10, 10 + ps)) + [99] * ps), alloc.alloc(2 * ps))  # two nodes on the path
     key = RadixKey(list(range(10, 10 + 4 * ps)))
     own = c.match_prefix(key).device_indices
     new = alloc.alloc(2 * ps)
-    if not fast:
+    if run:
+        assert int(new[0]) == int(own[-1]) + 1  # one run with the tree's slots
+    else:
         new = new.view(-1, ps).flip(0).reshape(-1)
     before = _pool_state(c)
-    with pytest.raises(ValueError, match="owned by a tree node"):
+    with pytest.raises(ValueError, match=r"slot \d+ is owned by a tree node of the cache"):
         c.insert(key, torch.cat([own, new]))
     assert _pool_state(c) == before
     alloc.free(new)
