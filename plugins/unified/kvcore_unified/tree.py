@@ -551,10 +551,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
         The last match's walk when it was of the same key (:meth:`_reuse_walk`), else a
         read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
-        are validated before anything changes.  Returns the cached length, the node it ends
-        on, the ids to store and the new leaf's own copy of its slots (None: nothing new; under
-        strict already claimed unless the row was checked).  With ``upper`` (a resumed insert: its locked path, root
-        side first) the descent starts below it and the walk passes ``upper`` first.
+        are validated before anything changes; then the pool's part (the caller's duplicates
+        freed, the new leaf's slots claimed under strict: ``ins.claimed``), refused with nothing
+        changed.  Returns the cached length, the node it ends on, the ids to store and the new
+        leaf's own copy of its slots (None: nothing new).  With ``upper`` (a resumed insert: its
+        locked path, root side first) the descent starts below it and the walk passes ``upper`` first.
         """
         reused = self._reuse_walk(rk, n) if rk is not None and upper is None else None
         if upper is not None:
