@@ -571,19 +571,24 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._last_walk = None
         start = pos + m
         leaf_value = None
-        if start < n:
-            # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
-            leaf_value = torch.narrow_copy(value, 0, start, n - start)
         # The pool's part, before anything here changes: the caller's duplicates ``[prev, start)``
         # freed, the new leaf's slots claimed (strict), or the insert refused with nothing changed.
         prev = ins.prev_prefix_len
         lo = prev if prev < start else start
         cuts = self._duplicate_cuts(path, m, prev, start) if self.page_size > 1 and prev < start else ()
         pool = self._run_pool
-        if lo < n and pool is not None and pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict):
-            # The usual value (one run of slots, none free, none the tree's): one pool call.
+        own = pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict) \
+            if lo < n and pool is not None else None
+        if own is not None:
+            # The usual value (one run of slots, none free, none the tree's): one pool call, which
+            # also made the new leaf's own copy of its slots.
             ins.claimed = True
+            if start < n:
+                leaf_value = own
         else:
+            if start < n:
+                # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
+                leaf_value = torch.narrow_copy(value, 0, start, n - start)
             alloc = self.token_to_kv_pool_allocator
             claim = leaf_value is not None and self.strict and not ins.row_checked
             if claim:

@@ -103,7 +103,7 @@ def test_one_call_free_and_claim_same_as_general_path(ps, seed, monkeypatch):
     """The insert's one pool call (``free_and_claim``: duplicates freed, new leaf claimed) leaves
     every slot, the free-list order and every refusal as the general path (claim, then free)."""
     fast, slow = _cache(ps), _cache(ps)
-    monkeypatch.setattr(slow.token_to_kv_pool_allocator, "free_and_claim", lambda *a, **k: False)
+    monkeypatch.setattr(slow.token_to_kv_pool_allocator, "free_and_claim", lambda *a, **k: None)
     rng = random.Random(seed)
     bases = [[rng.randrange(2, 6) for _ in range(8 * ps)] for _ in range(3)]
     for step in range(150):
@@ -175,7 +175,7 @@ def test_duplicates_over_several_nodes_go_back_node_by_node(ps, prev, monkeypatc
     """Duplicates spanning three path nodes and a split: the one-call path gives the pages back
     in SGLang's per-node order (paged: each node's pages in front of the ones before)."""
     caches = [_cache(ps), _cache(ps)]
-    monkeypatch.setattr(caches[1].token_to_kv_pool_allocator, "free_and_claim", lambda *a, **k: False)
+    monkeypatch.setattr(caches[1].token_to_kv_pool_allocator, "free_and_claim", lambda *a, **k: None)
     for c in caches:
         alloc = c.token_to_kv_pool_allocator
         values = [alloc.alloc(n * ps) for n in (2, 3, 5, 4, 6)]  # each one run (taken before any free)
@@ -188,3 +188,19 @@ def test_duplicates_over_several_nodes_go_back_node_by_node(ps, prev, monkeypatc
     assert _pool_state(caches[0]) == _pool_state(caches[1])
     for c in caches:
         c.sanity_check()
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_new_leaf_keeps_its_own_copy(ps):
+    """The one-call path's leaf value is the tree's own copy: the caller may reuse its tensor."""
+    c = _cache(ps)
+    alloc = c.token_to_kv_pool_allocator
+    c.insert(RadixKey(list(range(10, 10 + 2 * ps))), alloc.alloc(2 * ps))
+    v = alloc.alloc(4 * ps)
+    kept = v[2 * ps :].tolist()
+    key = RadixKey(list(range(10, 10 + 4 * ps)))
+    assert c.insert(key, v).prefix_len == 2 * ps
+    v.fill_(-1)
+    assert c.match_prefix(key).device_indices[2 * ps :].tolist() == kept
+    c.sanity_check()
+    InvariantChecker(c).check([])
