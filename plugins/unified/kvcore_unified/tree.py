@@ -577,8 +577,9 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         lo = prev if prev < start else start
         cuts = self._duplicate_cuts(path, m, prev, start) if self.page_size > 1 and prev < start else ()
         pool = self._run_pool
+        # (Non-strict with nothing to free, the pool has nothing to do: no call.)
         own = pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict) \
-            if lo < n and pool is not None else None
+            if pool is not None and lo < n and (lo < start or self.strict) else None
         if own is not None:
             # The usual value (one run of slots, none free, none the tree's): one pool call, which
             # also made the new leaf's own copy of its slots.
