@@ -139,6 +139,39 @@ class TokenToKVPoolAllocator:
         """A cache gives up ``slots`` (before freeing them); ids outside the pool are ignored."""
         self.claims.disown(self.ops.view(self.as_slots(slots)))
 
+    def free_and_claim(self, value: torch.Tensor, lo: int, mid: int, hi: int, cuts: Sequence[int] = (), *,
+                       claim: bool) -> torch.Tensor | None:
+        """A tree insert's pool work in one call, when it is simple: ``value[lo:mid]`` freed (the
+        caller's duplicates of what the tree holds) and, with ``claim``, ``value[mid:hi]`` claimed
+        (the new leaf's slots), when ``value[lo:hi]`` (non-empty, page-aligned positions) is one
+        ascending run of whole pages in range, none of it free or claimed: one range check and a
+        slice per map.  Paged, the freed part goes back as one ``free_segment`` per piece ending at
+        each of ``cuts`` (ascending, the last one ``mid``), in order, as SGLang frees a path node by
+        node; at page 1 a free appends, so one piece leaves the same order.
+
+        Returns the new leaf's own copy of ``value[mid:hi]`` (made in the pool's array form: on the
+        CPU a numpy copy, cheaper than a torch one), or None, changing nothing, otherwise (or inside
+        a free group): the caller then takes the general path (``check_claimable``, ``free``), which
+        names what is wrong.
+        """
+        if self._group is not None:
+            return None
+        ops = self.ops
+        s = ops.view(value)
+        a0 = self.claims.run_claimable(s[lo:hi])
+        if a0 < 0:
+            return None
+        if claim:
+            self.claims.claim_run(a0 + mid - lo, hi - mid)
+        if mid > lo:
+            p = self.page_size
+            if p == 1 or len(cuts) < 2:
+                counts: Sequence[int] = ((mid - lo) // p,)
+            else:
+                counts = [(end - start) // p for start, end in zip([lo, *cuts[:-1]], cuts)]
+            self.pages.release_run(s[lo:mid] if p == 1 else self.pages.page_ids(s[lo:mid:p]), counts)
+        return ops.tensor(ops.copy(s[mid:hi]))
+
     def claimed_slots(self) -> torch.Tensor:
         """Every slot a cache claimed and has not disowned, ascending."""
         claimed = self.claims.claimed()

@@ -113,7 +113,8 @@ class SlotOwnership:
         """``s[0]`` when ``s`` (non-empty) is one ascending run inside the pool (past the padding
         page, below its end), else -1: such a value is checked and changed by slices."""
         a0 = self.pages.ops.run_start(s)
-        if a0 < self.pages.page_size or a0 + len(s) > len(self._owned):
+        p = self.pages.page_size
+        if a0 < p or a0 + len(s) > self.pages.size + p:
             return -1
         return a0
 
@@ -127,7 +128,25 @@ class SlotOwnership:
             return False
         first, last = pages.page_ids(a0), pages.page_ids(a0 + k - 1)
         ops = pages.ops
-        return not ops.count_nonzero(self._owned[a0 : a0 + k]) and not ops.count_nonzero(pages.free[first : last + 1])
+        owned = self._owned
+        if owned is not None and ops.count_nonzero(owned[a0 : a0 + k]):
+            return False
+        return not ops.count_nonzero(pages.free[first : last + 1])
+
+    def run_claimable(self, s: Array) -> int:
+        """``s[0]`` when ``s`` (non-empty) is one ascending run of whole pages in range, none of it
+        free or claimed, else -1 (nothing is changed either way).  Such a run may be claimed
+        (``claim_run``) and any part of it freed without a further check: what a tree's insert
+        does with the caller's value (its duplicates freed, the new leaf's slots claimed)."""
+        a0 = self._run_in_range(s)
+        return a0 if a0 >= 0 and self._run_claimable(a0, len(s)) else -1
+
+    def claim_run(self, a0: int, k: int) -> None:
+        """Claim ``[a0, a0 + k)``, part of a run ``run_claimable`` accepted (a slice fill)."""
+        if k:
+            if self._owned is None:
+                self.owner_map()
+            self._owned[a0 : a0 + k] = 1
 
     def _pages_claimable(self, s: Array, commit: bool) -> bool:
         """Whole pages (paged, not one run): True when every page may be claimed, and then (with

@@ -9,6 +9,7 @@ and never free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NoReturn
 
 import torch
@@ -89,6 +90,20 @@ class FreePageRing:
         """
         self.free[pages] = 1
         self.push(pages)
+
+    def release_run(self, pages: Array, counts: Sequence[int]) -> None:
+        """Give back ``pages``: handed-out page ids ``first, first + 1, ...`` (checked by the caller:
+        in range, none free), as consecutive pieces of ``counts[i]`` pages, each pushed as one free
+        of it would push it (paged: each piece in front of the ones before, SGLang's per-node order)."""
+        first = int(pages[0])
+        self.free[first : first + len(pages)] = 1
+        if len(counts) == 1:
+            self.push(pages)
+            return
+        at = 0
+        for c in counts:
+            self.push(pages[at : at + c])
+            at += c
 
     def release(self, slots: Array) -> Array:
         """Check ``slots`` (non-empty) and give their pages back; returns those pages."""

@@ -27,6 +27,7 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.components import TreeComponent, get_component
 from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
+from kvcore.pools import TokenToKVPoolAllocator
 from kvcore.record import floor_align
 from kvcore.release import free_swa_out_of_window_slots_batch
 from kvcore.tree import (
@@ -136,6 +137,10 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         for c in self.aux:
             self._node_fields.update(c.node_fields)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        # A full-only tree on kvcore's own token allocator frees an insert's duplicates and claims its
+        # new leaf in one call (TokenToKVPoolAllocator.free_and_claim); any other allocator: free, claim.
+        alloc = self.token_to_kv_pool_allocator
+        self._run_pool = alloc if not self.aux and isinstance(alloc, TokenToKVPoolAllocator) else None
         self._events: list[Any] = []
         self._time = 0.0
         # While an eviction runs: the full slots it frees, given back in one call at its end.
@@ -520,14 +525,14 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
         At page 1 a free appends its slots, so one free of the concatenation leaves the
         same order; with pages each free puts its pages at the front of the free list, so
-        there it is one free per piece.
+        there it is one piece per node, in one ``free_segments`` call (each piece freed as one
+        ``free_segment``; checked as a whole: on a bad slot nothing is freed).
         """
         alloc = self.token_to_kv_pool_allocator
         if self.page_size == 1:
             alloc.free(pieces[0][0] if len(pieces) == 1 else torch.cat([p for p, _ in pieces]))
             return
-        for piece, start in pieces:
-            alloc.free_segments([(piece, start)])
+        alloc.free_segments(pieces)
 
     def _insert_full(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
                      ins: InsertArgs, rk: RadixKey | None, upper: list[UnifiedNode] | None = None
@@ -546,9 +551,6 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if ins.priority > root.priority:
             root.priority = ins.priority
         pos, node, ids, leaf_value = self._walk_full(ids, extra_key, n, ins, rk, value, upper)
-        prev = ins.prev_prefix_len
-        if prev < pos:
-            self._free_duplicates(node, value, prev, pos)
         ins.prefix_len = pos
         if leaf_value is not None:
             node = self.add_leaf(node, ids[pos:n], extra_key, leaf_value, ins.priority, ins.claimed, own=True)
@@ -586,10 +588,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
         The last match's walk when it was of the same key (:meth:`_reuse_walk`), else a
         read-only descent first, so that ``rk``'s unchecked ids (those past the cached part)
-        are validated before anything changes.  Returns the cached length, the node it ends
-        on, the ids to store and the new leaf's own copy of its slots (None: nothing new; under
-        strict already claimed unless the row was checked).  With ``upper`` (a resumed insert: its locked path, root
-        side first) the descent starts below it and the walk passes ``upper`` first.
+        are validated before anything changes; then the pool's part (the caller's duplicates
+        freed, the new leaf's slots claimed under strict: ``ins.claimed``), refused with nothing
+        changed.  Returns the cached length, the node it ends on, the ids to store and the new
+        leaf's own copy of its slots (None: nothing new).  With ``upper`` (a resumed insert: its
+        locked path, root side first) the descent starts below it and the walk passes ``upper`` first.
         """
         reused = self._reuse_walk(rk, n) if rk is not None and upper is None else None
         if upper is not None:
@@ -605,13 +608,38 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._last_walk = None
         start = pos + m
         leaf_value = None
-        if start < n:
-            # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
-            leaf_value = torch.narrow_copy(value, 0, start, n - start)
-            if self.strict and not ins.row_checked:
+        # The pool's part, before anything here changes: the caller's duplicates ``[prev, start)``
+        # freed, the new leaf's slots claimed (strict), or the insert refused with nothing changed.
+        prev = ins.prev_prefix_len
+        lo = prev if prev < start else start
+        cuts = self._duplicate_cuts(path, m, prev, start) if self.page_size > 1 and prev < start else ()
+        pool = self._run_pool
+        # (Non-strict with nothing to free, the pool has nothing to do: no call.)
+        own = pool.free_and_claim(value, lo, start, n, cuts, claim=self.strict) \
+            if pool is not None and lo < n and (lo < start or self.strict) else None
+        if own is not None:
+            # The usual value (one run of slots, none free, none the tree's): one pool call, which
+            # also made the new leaf's own copy of its slots.
+            ins.claimed = True
+            if start < n:
+                leaf_value = own
+        else:
+            if start < n:
+                # The new leaf's own copy (one op: cheaper than slice + clone), checked as radix checks it.
+                leaf_value = torch.narrow_copy(value, 0, start, n - start)
+            alloc = self.token_to_kv_pool_allocator
+            claim = leaf_value is not None and self.strict and not ins.row_checked
+            if claim:
                 # Refused (nothing changed) unless the new leaf's slots may become the tree's; claimed here.
-                self.token_to_kv_pool_allocator.check_claimable(leaf_value, commit=True)
+                alloc.check_claimable(leaf_value, commit=True)
                 ins.claimed = True
+            if prev < start:
+                try:
+                    self._free_duplicates(value, prev, start, cuts)
+                except BaseException:
+                    if claim:
+                        alloc.disown(leaf_value)  # a refused free (e.g. the tree's own slots): undo the claim
+                    raise
         prio = ins.priority
         hit = 0 if ins.chunked else 1
         t = self._time
@@ -632,23 +660,39 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             pos += m
         return pos, node, ids, leaf_value
 
-    def _free_duplicates(self, last: UnifiedNode, value: torch.Tensor, prev: int, pos: int) -> None:
-        """Free the caller's copies ``value[prev:pos]`` of what the path ending at ``last`` holds.
+    @staticmethod
+    def _duplicate_cuts(path: list[UnifiedNode], m: int, prev: int, start: int) -> list[int]:
+        """Where the duplicates ``[prev, start)`` end node by node, root side first: the ends of the
+        path's nodes (``m``: the tokens of the node a split is about to cut off ``path``'s end)."""
+        cuts = []
+        end = start
+        if m:
+            cuts.append(end)
+            end -= m
+        i = len(path) - 1
+        while end > prev:
+            cuts.append(end)
+            end -= len(path[i].key)
+            i -= 1
+        cuts.reverse()
+        return cuts
+
+    def _free_duplicates(self, value: torch.Tensor, prev: int, start: int, cuts: Sequence[int]) -> None:
+        """Free the caller's copies ``value[prev:start]`` of what the tree's path holds, in one call
+        (checked as a whole: refused, nothing freed, on a bad slot).
 
         Under strict the allocator refuses a node's own slots given back as "duplicates" (use
-        after free).  SGLang frees them node by node, root first (``free_segment``): at page 1
-        that is one free of the range (:meth:`_free_pieces`).
+        after free).  SGLang frees them node by node, root first (``free_segment``): one piece per
+        node, ending at each of ``cuts`` (:meth:`_free_pieces`).
         """
         if self.page_size == 1:
-            self.token_to_kv_pool_allocator.free(value[prev:pos])
+            self.token_to_kv_pool_allocator.free(value[prev:start])
             return
         pieces = []
-        end, x = pos, last
-        while x is not self.root_node and end > prev:
-            start = max(end - len(x.key), prev)
-            pieces.append((value[start:end], start))
-            end, x = end - len(x.key), x.parent
-        pieces.reverse()
+        lo = prev
+        for end in cuts:
+            pieces.append((value[lo:end], lo))
+            lo = end
         self._free_pieces(pieces)
 
     def add_leaf(self, parent: UnifiedNode, key: list[int], extra_key: str | None, value: torch.Tensor,
