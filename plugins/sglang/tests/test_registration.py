@@ -226,18 +226,24 @@ def test_kvcore_unified_refuses_other_allocators_for_a_hybrid_swa_model():
             create_tree_cache(ctx)
 
 
-def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):
-    """KVCORE_SGLANG_STRICT=1: a request whose row names slots SGLang's allocator holds free is refused."""
+def strict_cache(monkeypatch, name, make):
+    """A cache built with KVCORE_SGLANG_STRICT=1 for --radix-cache-backend ``name`` on ``make(server_args)``'s
+    context; returns (context, cache, a fresh four-token SGLang Req)."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
     load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-radix") as server_args:
-        ctx = make_ctx(server_args)
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
+        ctx = make(server_args)
         cache = create_tree_cache(ctx)
+    return ctx, cache, Req("r", "", array("q", [1, 2, 3, 4]), SamplingParams())
+
+
+def test_strict_slot_checks_refuse_a_free_slot_and_change_nothing(monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: a request whose row names slots SGLang's allocator holds free is refused."""
+    ctx, cache, req = strict_cache(monkeypatch, "kvcore-radix", make_ctx)
     alloc, r2t = ctx.params.token_to_kv_pool_allocator, ctx.params.req_to_token_pool
-    req = Req("r", "", array("q", [1, 2, 3, 4]), SamplingParams())
     req.kv.req_pool_idx = r2t.alloc([req])[0]
     held = alloc.alloc(2)
     # Two slots the request holds, two that are still free in SGLang's allocator.
@@ -331,17 +337,10 @@ def test_kvcore_mamba_refuses_what_it_cannot_serve(ctx_options, says):
 @pytest.mark.usefixtures("sglang_request_path")
 def test_kvcore_mamba_strict_refuses_a_free_state_slot_and_changes_nothing(monkeypatch):
     """KVCORE_SGLANG_STRICT=1: a finishing request whose state slot SGLang's allocator holds free is refused."""
-    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.common import release_kv_cache
-    from sglang.srt.sampling.sampling_params import SamplingParams
 
-    monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
-    load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
-        ctx = make_mamba_ctx(server_args)
-        cache = create_tree_cache(ctx)
+    ctx, cache, req = strict_cache(monkeypatch, "kvcore-mamba", make_mamba_ctx)
     alloc, r2t = ctx.params.token_to_kv_pool_allocator, ctx.params.req_to_token_pool
-    req = Req("r", "", array("q", [1, 2, 3, 4]), SamplingParams())
     req.last_node = cache.root_node
     req.kv.req_pool_idx = r2t.alloc([req])[0]          # SGLang's: a row and a state slot
     r2t.req_to_token[req.kv.req_pool_idx, :4] = alloc.alloc(4).to(torch.int32)
