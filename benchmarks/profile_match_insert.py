@@ -17,7 +17,8 @@ what the function is:
 
 Printed: µs per request per group, for each side, and the ratios that bound a speedup:
 SGLang's total against kvcore's ``torch`` + ``key checks`` (what kvcore cannot drop
-without dropping its answer tensors or its bad-input checks).  cProfile's own cost falls
+without dropping its answer tensors or its bad-input checks); then the plain cost (timeit,
+no profiler) of each step a request cannot skip in Python.  cProfile's own cost falls
 mostly on Python calls, so the figures overstate Python-heavy groups; the groups' order and
 the bound are what to read.
 
@@ -86,6 +87,38 @@ def profile(run: Any) -> dict[str, float]:
     return totals
 
 
+def floor_costs(req_len: int, page_size: int) -> dict[str, float]:
+    """µs per call (timeit, best of 5) of the steps a request's match+insert cannot skip in Python.
+
+    Each side builds its key from a fresh copy of the ids (both pay it); kvcore checks every
+    unmatched id once (``check_token_ids``: the bad-input promise, one C pass) and makes the
+    answer and the leaf's tensors (torch calls of about a microsecond each).
+    """
+    import timeit
+
+    import torch
+
+    from kvcore.keys import check_token_ids
+
+    ids = list(range(1, req_len + 1))
+    half = req_len // 2
+    value = torch.arange(req_len, dtype=torch.int64)
+    parts = [value[:half], value[half:]]
+    steps: dict[str, Any] = {
+        f"copy of {req_len} ids (each key)": lambda: ids[:],
+        f"check_token_ids of {req_len - half} new ids": lambda: check_token_ids(ids, half),
+        f"list compare of {half} ids (one edge)": lambda: ids[:half] == ids[:half],
+        "torch slice + clone (the leaf's slots)": lambda: value[half:].clone(),
+        "torch.cat of two slices (the match's answer)": lambda: torch.cat(parts),
+        "torch.empty(0) (an empty answer)": lambda: torch.empty((0,), dtype=torch.int64),
+    }
+    out = {}
+    for name, fn in steps.items():
+        runs = timeit.repeat(fn, number=2000, repeat=5)
+        out[name] = min(runs) / 2000 * 1e6
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="radix")
@@ -116,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             mod, trace, sources, values, args.page_size, "lru", args.key_mode))
     per_req = {side: {g: t / args.requests * 1e6 for g, t in groups.items()} for side, groups in sides.items()}
     if args.json:
-        print(json.dumps({"us_per_request": per_req, "page_size": args.page_size, "key_mode": args.key_mode},
-                         indent=1))
+        print(json.dumps({"us_per_request": per_req, "page_size": args.page_size, "key_mode": args.key_mode,
+                          "floor_us_per_call": floor_costs(args.req_len, args.page_size)}, indent=1))
         return 0
     print(f"µs per request (cProfile own time), page {args.page_size}, keys {args.key_mode}, "
           f"{args.req_len} tokens per request")
@@ -125,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     for g in (*GROUPS, "total"):
         cells = [sum(v.values()) if g == "total" else v[g] for v in per_req.values()]
         print(f"{g:12s}" + "".join(f"{c:12.1f}" for c in cells))
+    floor = floor_costs(args.req_len, args.page_size)
+    print("\nµs per call of the steps a request cannot skip (timeit, best of 5):")
+    for name, us in floor.items():
+        print(f"  {us:8.2f}  {name}")
     if "sglang" in per_req:
         sg = sum(per_req["sglang"].values())
         for side in backends:
