@@ -66,6 +66,7 @@ import kvcore
 from kvcore.cache import LockResult
 from kvcore.config import CacheInitParams
 from kvcore.factory import attach_lifecycle
+from kvcore.keys import CheckedIds
 from kvcore.plugins import get_backend, get_plugin_manager
 from kvcore.pools.array_ops import ops_for
 from kvcore.pools.claims import SlotOwnership
@@ -653,8 +654,11 @@ class FillIds:
 
     Read as lists only over the range asked (``slice``), never joined or copied whole: a
     resumed chunk costs its own length, not the prompt's.  The first ``known_len`` ids come
-    from ``known`` (:class:`MatchedIds`: the list the request's match made), the rest from
-    the arrays (``tolist()`` in C).
+    from ``known`` (:class:`MatchedIds`: the list the request's match made, of a key it
+    validated), the rest from the arrays (``tolist()`` in C).  Both are valid ids once an
+    array passed its sign test, so a slice is a :class:`~kvcore.keys.CheckedIds` that
+    kvcore's insert does not scan again; one with a bad id is a plain list, which kvcore
+    checks and refuses, naming it.
     """
 
     __slots__ = ("parts", "end", "known", "known_len")
@@ -677,22 +681,27 @@ class FillIds:
             return []
         n = self.known_len
         if start < n:
-            known = cast(list, self.known)  # known_len > 0: a list is known
-            return known[start:end] if end <= n else known[start:n] + self._converted(n, end)
-        return self._converted(start, end)
-
-    def _converted(self, start: int, end: int) -> list[int]:
-        out: list[int] = []
+            ids = CheckedIds(cast(list, self.known)[start:min(end, n)])  # known_len > 0: a list is known
+            start = n
+        else:
+            ids = CheckedIds()
+        valid = True
         offset = 0
         for part in self.parts:
             lo, hi = max(start - offset, 0), min(end - offset, len(part))
             if lo < hi:
                 piece = part[lo:hi]
-                out += piece.tolist() if isinstance(piece, array) else list(piece)
+                if type(piece) is array:
+                    key = kvcore.RadixKey(piece)  # its sign test, in C; token_ids: tolist()
+                    valid = valid and key.validated
+                    ids += key.token_ids
+                else:
+                    valid = False
+                    ids += piece
             offset += len(part)
             if offset >= end:
                 break
-        return out
+        return ids if valid else list(ids)
 
 
 #: No token ids (a ChunkCache call caches none; a match's view inserts none).
@@ -990,7 +999,7 @@ class KvcoreTreeCache(BasePrefixCache):
     def _note_matched(self, params: MatchPrefixParams, key: kvcore.RadixKey) -> None:
         """Keep the list the match made of a request's ids (:class:`MatchedIds`) for its cache calls."""
         req = params.req
-        if req is not None and not self.is_chunk_cache():
+        if req is not None and key.validated and not self.is_chunk_cache():
             # A tree reads the key as a list to match it, so token_ids is that list here (no conversion).
             self._tables.matched = MatchedIds(req, params.key.token_ids, key.token_ids)
 
