@@ -9,7 +9,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-__all__ = ["RadixKey", "KeyLike", "as_radix_key", "check_token_ids", "checked_key", "token_id_list"]
+__all__ = ["CheckedIds", "RadixKey", "KeyLike", "as_radix_key", "check_token_ids", "checked_key", "token_id_list"]
 
 # A bool token id equals one of these: check_token_ids scans types only when one is present.
 _UNSIGNED_CODES = frozenset("BHILQ")
@@ -18,6 +18,8 @@ _INT_CODES = _UNSIGNED_CODES | _SIGNED_CODES
 _LITTLE = sys.byteorder == "little"
 # From this many ids on, numpy (when importable) rules out 0/1 faster than a set probe per id.
 _NUMPY_SCAN_FROM = 96
+# From this many items on, an argmin over an 8-byte array in place beats copying its bytes for the sign test.
+_NUMPY_SIGN_FROM = 2048
 try:
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy comes with torch in practice
@@ -36,8 +38,13 @@ def _array_ids_valid(a: array) -> bool:
 
 
 def _signed_array_nonneg(a: array) -> bool:
-    """True when no item of a signed integer array is negative: one C pass over its high bytes."""
+    """True when no item of a signed integer array is negative: one C pass over its high bytes.
+
+    A long 8-byte array (SGLang's ``array("q")`` prompts): one argmin over it in place instead.
+    """
     s = a.itemsize
+    if s == 8 and len(a) >= _NUMPY_SIGN_FROM:
+        return _smallest_as_int64(a) >= 0
     raw = a.tobytes()
     # The sign bit lives in each item's most significant byte; all of them below 0x80 <=> none negative.
     return (raw[s - 1 :: s] if _LITTLE else raw[::s]).isascii()
@@ -232,6 +239,18 @@ def as_radix_key(key: KeyLike, *, validate: bool = True) -> RadixKey:
     return result
 
 
+class CheckedIds(list):
+    """Token ids (exact ints) that whoever made the list proved valid: :func:`check_token_ids` does not scan them.
+
+    For ids converted from a container already proven valid (a validated :class:`RadixKey`'s,
+    an ``array`` that passed its sign test), handed to code that checks every list it gets
+    (a resumed insert's part of a request's ids).  As with a validated key, its ids must not
+    be changed in place.  Its slices are plain lists.
+    """
+
+    __slots__ = ()
+
+
 def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> bool:
     """Raise unless ``ids[start:]`` are non-negative ints below 2**63: the one token-id check.
 
@@ -254,7 +273,11 @@ def check_token_ids(ids: list, start: int = 0, *, refuse_bools: bool = True) -> 
     * ``TypeError("token ids must be ints, got float (1.5)")``
     * ``ValueError("token ids must be non-negative, got -1")``
     * ``ValueError("token id 9223372036854775808 does not fit in a signed 64-bit int")``
+
+    A :class:`CheckedIds` is valid by construction: answered at once (False: not scanned for a 0 or 1).
     """
+    if type(ids) is CheckedIds:
+        return False
     if start >= len(ids):
         return True
     rest = ids[start:] if start else ids

@@ -8,7 +8,7 @@ import torch
 
 import kvcore
 from kvcore import RadixKey
-from kvcore.keys import as_radix_key, check_token_ids, checked_key, token_id_list
+from kvcore.keys import CheckedIds, as_radix_key, check_token_ids, checked_key, token_id_list
 from kvcore.record import Req
 from kvcore.testing import admit, check_invariants, finish, make_req, prefill
 
@@ -62,6 +62,28 @@ def test_negative_ids_in_typed_containers_refused(bad):
     assert not key.validated
     with pytest.raises(ValueError, match="non-negative, got -"):
         checked_key(key)
+
+
+@pytest.mark.parametrize("typecode, bad", [("q", -1), ("Q", 2**63)])
+@pytest.mark.parametrize("where", [0, 2047, 4095])
+def test_long_eight_byte_arrays_sign_tested_in_place(typecode, bad, where):
+    """SGLang's array("q") prompts: a long one is sign-tested by one argmin in place, same answers."""
+    ids = list(range(2, 4098))
+    assert RadixKey(array(typecode, ids)).validated
+    ids[where] = bad
+    key = RadixKey(array(typecode, ids))
+    assert not key.validated
+    with pytest.raises(ValueError, match="non-negative|does not fit"):
+        checked_key(key)
+
+
+def test_checked_ids_are_not_scanned_again_and_slice_to_plain_lists():
+    ids = CheckedIds(array("q", [5, 0, 7]).tolist())
+    assert ids == [5, 0, 7] and isinstance(ids, list)
+    assert check_token_ids(ids) is False  # valid by construction; whether it holds a 0 or 1 is not scanned for
+    assert type(ids[1:]) is list  # what a tree keeps of it is a plain list
+    with pytest.raises(ValueError, match="non-negative"):
+        check_token_ids(ids[:1] + [-1])
 
 
 @pytest.mark.parametrize("bad, what", [

@@ -66,6 +66,7 @@ import kvcore
 from kvcore.cache import LockResult
 from kvcore.config import CacheInitParams
 from kvcore.factory import attach_lifecycle
+from kvcore.keys import CheckedIds
 from kvcore.plugins import get_backend, get_plugin_manager
 from kvcore.pools.array_ops import ops_for
 from kvcore.pools.claims import SlotOwnership
@@ -581,27 +582,148 @@ def namespace(extra_key: str | None, cache_salt: str | None) -> Any:
     return extra_key if cache_salt is None else (extra_key, cache_salt)
 
 
-class RequestTables:
-    """What a kvcore cache keeps per SGLang ``Req`` that SGLang's ``Req`` has no field for (weakly keyed)."""
+class MatchedIds:
+    """The list kvcore's match made of a request's token ids, and the SGLang arrays it was made from.
 
-    __slots__ = ("locks", "resumes")
+    SGLang's ``Req.init_next_round_input`` matches ``full_untruncated_fill_ids`` (capped by
+    the key's ``limit``), and kvcore's trees read that key as a list: every prompt id becomes
+    an ``int`` object once.  The request's later cache calls insert the same prompt ids
+    again, chunk by chunk; they take them from this list (a slice: no conversion, and the
+    tree's keys share these ``int`` objects) instead of converting SGLang's array again.
+
+    Taken on trust, as SGLang's own path and kvcore's resumed insert take it: the prompt of a
+    request is not rewritten in place while it runs (SGLang rebuilds ``full_untruncated_fill_ids``
+    when it changes more than its tail, and an abort gives ``origin_input_ids`` a new array).
+    So the list counts only while the request still holds the very arrays it was made from,
+    and only over the prompt (``origin_input_ids``): outputs come from SGLang's arrays.
+    """
+
+    __slots__ = ("req", "full", "origin", "ids")
+
+    def __init__(self, req: Any, full: Any, ids: list[int]):
+        self.req = weakref.ref(req)
+        self.full = full
+        self.origin = req.origin_input_ids
+        self.ids = ids
+
+    def stands_for(self, req: Any) -> bool:
+        """Whether the list still stands for ``req``'s prompt: made for it, from the arrays it holds now."""
+        owner: Any = self.req()
+        return owner is req and self.full is req.full_untruncated_fill_ids and self.origin is req.origin_input_ids
+
+    def prompt_len(self) -> int:
+        """How many of the first ids the list covers (its length, at most the prompt's)."""
+        return min(len(self.ids), len(self.origin))
+
+
+class RequestTables:
+    """What a kvcore cache keeps per SGLang ``Req`` that SGLang's ``Req`` has no field for (weakly keyed).
+
+    ``matched``: the latest match's :class:`MatchedIds` (one, whatever request it was);
+    ``ids``: those of a request in chunked prefill, kept from chunk to chunk until it finishes.
+    """
+
+    __slots__ = ("locks", "resumes", "ids", "matched")
 
     def __init__(self) -> None:
         self.locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.resumes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.matched: MatchedIds | None = None
+
+    def known_ids(self, req: Any, *, keep: bool | None = None) -> tuple[list[int], int] | None:
+        """``req``'s prompt ids as its match listed them and how many count (None: no such list holds).
+
+        ``keep``: True keeps them for the request's next call (a chunk of a chunked prefill),
+        False drops them (its last call), None leaves the table as it is.
+        """
+        entry = self.ids.get(req)
+        if entry is None or not entry.stands_for(req):
+            matched = self.matched
+            entry = matched if matched is not None and matched.stands_for(req) else None
+        if keep:
+            if entry is not None:
+                self.ids[req] = entry
+        elif keep is not None:
+            self.ids.pop(req, None)
+        return None if entry is None else (entry.ids, entry.prompt_len())
+
+
+class FillIds:
+    """The token ids one cache call hands kvcore: the first ``end`` of SGLang's arrays ``parts`` joined.
+
+    Read as lists only over the range asked (``slice``), never joined or copied whole: a
+    resumed chunk costs its own length, not the prompt's.  The first ``known_len`` ids come
+    from ``known`` (:class:`MatchedIds`: the list the request's match made, of a key it
+    validated), the rest from the arrays (``tolist()`` in C).  Both are valid ids once an
+    array passed its sign test, so a slice is a :class:`~kvcore.keys.CheckedIds` that
+    kvcore's insert does not scan again; one with a bad id is a plain list, which kvcore
+    checks and refuses, naming it.
+    """
+
+    __slots__ = ("parts", "end", "known", "known_len")
+
+    def __init__(self, parts: tuple, end: int, known: tuple[list[int], int] | None = None):
+        self.parts = parts
+        self.end = min(end, sum(len(p) for p in parts))
+        self.known: list[int] | None = None
+        self.known_len = 0
+        if known is not None:
+            self.known, self.known_len = known
+
+    def __len__(self) -> int:
+        return self.end
+
+    def slice(self, start: int, end: int) -> list[int]:
+        """``ids[start:end]`` (clipped to ``end``) as a new list."""
+        end = min(end, self.end)
+        if start >= end:
+            return []
+        n = self.known_len
+        if start < n:
+            ids = CheckedIds(cast(list, self.known)[start:min(end, n)])  # known_len > 0: a list is known
+            start = n
+        else:
+            ids = CheckedIds()
+        valid = True
+        offset = 0
+        for part in self.parts:
+            lo, hi = max(start - offset, 0), min(end - offset, len(part))
+            if lo < hi:
+                piece = part[lo:hi]
+                if type(piece) is array:
+                    key = kvcore.RadixKey(piece)  # its sign test, in C; token_ids: tolist()
+                    valid = valid and key.validated
+                    ids += key.token_ids
+                else:
+                    valid = False
+                    ids += piece
+            offset += len(part)
+            if offset >= end:
+                break
+        return ids if valid else list(ids)
+
+
+#: No token ids (a ChunkCache call caches none; a match's view inserts none).
+NO_IDS = FillIds((), 0)
+
+
+def fill_len(req: Any) -> int:
+    """``len(req.get_fill_ids())`` without its copy (0.5.19: ``full_untruncated_fill_ids[:extend_range.end]``)."""
+    return min(len(req.full_untruncated_fill_ids), req.extend_range.end)
 
 
 class ReqView:
     """SGLang's ``Req`` as kvcore's tree code reads it, writing ``last_node`` and ``prefix_indices`` through.
 
-    ``fill_ids`` are the tokens SGLang caches in this call, as a list made on first use:
-    a resumed chunk reads only its own part (``fill_slice``).  kvcore keeps the lock and the
-    resume point of a request in the cache's tables (``tables``), not on SGLang's ``Req``.
+    ``fill_ids`` are the tokens SGLang caches in this call (:class:`FillIds`), as a list made
+    on first use: a resumed chunk reads only its own part (``fill_slice``).  kvcore keeps the
+    lock and the resume point of a request in the cache's tables (``tables``), not on SGLang's ``Req``.
     """
 
     __slots__ = ("sglang", "kv", "_fill", "_fill_list", "_locks")
 
-    def __init__(self, req: Any, fill_ids: Any, committed: int | None, tables: RequestTables):
+    def __init__(self, req: Any, fill_ids: FillIds, committed: int | None, tables: RequestTables):
         self.sglang = req
         self.kv = KvRecordView(req.kv, committed, tables.resumes, req)
         self._fill = fill_ids
@@ -611,8 +733,7 @@ class ReqView:
     @property
     def fill_ids(self) -> list[int]:
         if self._fill_list is None:
-            fill = self._fill
-            self._fill_list = fill.tolist() if isinstance(fill, array) else list(fill)
+            self._fill_list = self._fill.slice(0, len(self._fill))
         return self._fill_list
 
     @property
@@ -626,8 +747,7 @@ class ReqView:
     def fill_slice(self, start: int, end: int) -> list[int]:
         if self._fill_list is not None:
             return self._fill_list[start:end]
-        part = self._fill[start:end]
-        return part.tolist() if isinstance(part, array) else list(part)
+        return self._fill.slice(start, end)
 
     @property
     def extra_key(self) -> Any:
@@ -869,10 +989,19 @@ class KvcoreTreeCache(BasePrefixCache):
         return kvcore.RadixKey(key.raw_token_ids(), namespace(key.extra_key, key.cache_salt))
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        found = self.kvcore_cache.match_prefix(self._key(params.key))
+        key = self._key(params.key)
+        found = self.kvcore_cache.match_prefix(key)
+        self._note_matched(params, key)
         node = found.last_device_node
         return MatchResult(device_indices=found.device_indices, last_device_node=node, last_host_node=node,
                            best_match_node=node)
+
+    def _note_matched(self, params: MatchPrefixParams, key: kvcore.RadixKey) -> None:
+        """Keep the list the match made of a request's ids (:class:`MatchedIds`) for its cache calls."""
+        req = params.req
+        if req is not None and key.validated and not self.is_chunk_cache():
+            # A tree reads the key as a list to match it, so token_ids is that list here (no conversion).
+            self._tables.matched = MatchedIds(req, params.key.token_ids, key.token_ids)
 
     def reset(self) -> None:
         self.kvcore_cache.reset()
@@ -884,8 +1013,10 @@ class KvcoreTreeCache(BasePrefixCache):
             raise TypeError(f"{self.target.name}: cache_finished_req got unknown arguments {sorted(kwargs)}")
         if self.disable_finished_insert:
             is_insert = False
-        fill_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        view = self.req_view(req, fill_ids, kv_len_to_handle, self._tables)
+        # SGLang caches (origin_input_ids + output_ids)[:kv_len_to_handle]; kvcore reads only what it inserts.
+        known = self._tables.known_ids(req, keep=False)
+        fill = FillIds((req.origin_input_ids, req.output_ids), kv_len_to_handle, known)
+        view = self.req_view(req, fill, kv_len_to_handle, self._tables)
         self.kvcore_cache.hook.cache_finished_req(req=view, is_insert=is_insert)
         self._flush_events()
 
@@ -894,12 +1025,14 @@ class KvcoreTreeCache(BasePrefixCache):
             raise TypeError(f"{self.target.name}: cache_unfinished_req got unknown arguments {sorted(kwargs)}")
         if self.is_chunk_cache():
             # SGLang's ChunkCache keeps the row up to the chunk's end as the prefix.
-            fill_ids: Any = ()
+            fill = NO_IDS
             committed = req.extend_range.end
         else:
-            fill_ids = req.get_fill_ids()
-            committed = len(fill_ids)
-        view = self.req_view(req, fill_ids, committed, self._tables)
+            # SGLang caches req.get_fill_ids() (full_untruncated_fill_ids[:extend_range.end], a copy of the
+            # whole prefix per chunk); kvcore reads only what it inserts, from the arrays themselves.
+            committed = fill_len(req)
+            fill = FillIds((req.full_untruncated_fill_ids,), committed, self._tables.known_ids(req, keep=chunked))
+        view = self.req_view(req, fill, committed, self._tables)
         self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
         self._flush_events()
 
@@ -1061,7 +1194,7 @@ class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
         if not self.disable and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
             # SGLang's unified swa component, before its insert: the frontier a page below the insert's end.
             free_swa_out_of_window_slots(
-                req, len(req.get_fill_ids()) - 1, sliding_window_size=self.sliding_window_size,
+                req, fill_len(req) - 1, sliding_window_size=self.sliding_window_size,
                 page_size=self.page_size, req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, retain_floor=self.swa_retain_floor(req),
             )
@@ -1097,8 +1230,10 @@ class KvcoreMambaTreeCache(KvcoreTreeCache):
         # SGLang's scheduler matches a waiting request again each round; one that kept its state
         # slot from an earlier match is only pointed at the new source (SGLang's match does that).
         rematch = cow and bool(req.kv.holds_mamba)
-        view = self.req_view(req, (), None, self._tables) if cow and not rematch else None
-        found = self.kvcore_cache.match_prefix(self._key(params.key), cow_mamba=view is not None, req=view)
+        view = self.req_view(req, NO_IDS, None, self._tables) if cow and not rematch else None
+        key = self._key(params.key)
+        found = self.kvcore_cache.match_prefix(key, cow_mamba=view is not None, req=view)
+        self._note_matched(params, key)
         node = found.last_device_node
         if rematch and node.mamba_value is not None:
             req.kv.mamba_cow_src_index = node.mamba_value
