@@ -98,6 +98,14 @@ def install_cpu_kernels(monkeypatch: Any) -> None:
 # ------------------------------------------------------------------ one world: SGLang's pools, a cache, requests
 
 
+#: The components of SGLang's UnifiedRadixCache per cache_kind (what its registry builds for each model kind).
+UNIFIED_COMPONENTS = {
+    "unified": (ComponentType.FULL,),
+    "unified-swa": (ComponentType.FULL, ComponentType.SWA),
+    "unified-mamba": (ComponentType.FULL, ComponentType.MAMBA),
+}
+
+
 class World:
     """SGLang's pools, one tree cache on them, and the scheduler steps a test drives."""
 
@@ -139,11 +147,17 @@ class World:
             return TokenToKVPoolAllocator(size, torch.float16, "cpu", None, False)
         return PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None, False)
 
+    # SGLang's own caches of this model kind, by cache_kind; "unified*" kinds are in UNIFIED_COMPONENTS.
+    sglang_caches: dict[str, Any] = {"radix": RadixCache, "chunk": ChunkCache}
+
     def sglang_cache(self, cache_kind: str, init: Any) -> Any:
-        if cache_kind == "unified":
-            init.tree_components = (ComponentType.FULL,)
+        components = UNIFIED_COMPONENTS.get(cache_kind)
+        if components is not None:
+            # SGLang's default tree, with the components its registry gives this model kind
+            # (registry._create_unified_radix_cache).
+            init.tree_components = components
             return UnifiedRadixCache(init)
-        return RadixCache(init) if cache_kind == "radix" else ChunkCache(init)
+        return self.sglang_caches[cache_kind](init)
 
     # -- what the scheduler's budget sees
     def room(self) -> int:
@@ -326,13 +340,7 @@ class SWAWorld(World):
                          head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
         return SWATokenToKVPoolAllocator(size, self.swa_size, page_size, torch.float16, "cpu", pool, False)
 
-    def sglang_cache(self, cache_kind: str, init: Any) -> Any:
-        if cache_kind == "unified-swa":
-            # SGLang's default tree on a hybrid SWA model (registry._create_unified_radix_cache).
-            init.tree_components = (ComponentType.FULL, ComponentType.SWA)
-            return UnifiedRadixCache(init)
-        assert cache_kind == "swa", cache_kind
-        return SWARadixCache(init)
+    sglang_caches = {"swa": SWARadixCache}
 
     def room(self) -> int:
         a, c = self.alloc, self.cache
@@ -470,13 +478,7 @@ class MambaWorld(World):
             enable_mamba_extra_buffer=self.extra_buffer, enable_overlap_schedule=True,
         )
 
-    def sglang_cache(self, cache_kind: str, init: Any) -> Any:
-        if cache_kind == "unified-mamba":
-            # SGLang's default tree on a hybrid SSM model (registry._create_unified_radix_cache).
-            init.tree_components = (ComponentType.FULL, ComponentType.MAMBA)
-            return UnifiedRadixCache(init)
-        assert cache_kind == "mamba", cache_kind
-        return MambaRadixCache(init)
+    sglang_caches = {"mamba": MambaRadixCache}
 
     def room(self) -> int:
         return self.alloc.available_size() + self.cache.full_evictable_size()

@@ -1074,7 +1074,19 @@ class KvcoreTreeCache(BasePrefixCache):
 
 
 
-class KvcoreSWATreeCache(KvcoreTreeCache):
+class _FullPoolSizes:
+    """The full pool's sizes of a hybrid model's tree (SGLang's base answers 0 for a full-attention one)."""
+
+    kvcore_cache: Any
+
+    def full_evictable_size(self) -> int:
+        return int(self.kvcore_cache.full_evictable_size())
+
+    def full_protected_size(self) -> int:
+        return int(self.kvcore_cache.full_protected_size())
+
+
+class KvcoreSWATreeCache(_FullPoolSizes, KvcoreTreeCache):
     """SGLang 0.5.19's ``SWARadixCache`` contract answered by kvcore-swa on SGLang's ``SWATokenToKVPoolAllocator``.
 
     On top of the base: the window (``supports_swa``, ``sliding_window_size``), the
@@ -1120,15 +1132,9 @@ class KvcoreSWATreeCache(KvcoreTreeCache):
         # skip_lock_node_ids: SGLang's SWARadixCache ignores it; its UnifiedRadixCache's window release too.
         self.kvcore_cache.dec_swa_lock_only(node, self.req_view.lock_from(swa_uuid_for_lock, skip_lock_node_ids))
 
-    # -- sizes (SGLang's SWARadixCache raises for the plain ones; the full side is answered)
-    def full_evictable_size(self) -> int:
-        return int(self.kvcore_cache.full_evictable_size())
-
+    # -- sizes (SGLang's SWARadixCache raises for the plain ones; the full side is answered; full_*: _FullPoolSizes)
     def swa_evictable_size(self) -> int:
         return int(self.kvcore_cache.swa_evictable_size())
-
-    def full_protected_size(self) -> int:
-        return int(self.kvcore_cache.full_protected_size())
 
     def swa_protected_size(self) -> int:
         return int(self.kvcore_cache.swa_protected_size())
@@ -1209,7 +1215,7 @@ class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
                 f"Available swa: {swa + swa_ev} (available_size={swa} + component_evictable_size_={swa_ev})\n")
 
 
-class KvcoreMambaTreeCache(KvcoreTreeCache):
+class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
     """SGLang 0.5.19's ``MambaRadixCache`` contract answered by kvcore-mamba on SGLang's ``HybridReqToTokenPool``.
 
     On top of the base: ``supports_mamba``, the admission match's copy-on-write
@@ -1256,15 +1262,9 @@ class KvcoreMambaTreeCache(KvcoreTreeCache):
         self.kvcore_cache.dec_lock_ref(node)
         return DecLockRefResult()
 
-    # -- sizes (SGLang's MambaRadixCache raises for the plain ones; the full side is answered)
-    def full_evictable_size(self) -> int:
-        return int(self.kvcore_cache.full_evictable_size())
-
+    # -- sizes (SGLang's MambaRadixCache raises for the plain ones; the full side is answered; full_*: _FullPoolSizes)
     def mamba_evictable_size(self) -> int:
         return int(self.kvcore_cache.mamba_evictable_size())
-
-    def full_protected_size(self) -> int:
-        return int(self.kvcore_cache.full_protected_size())
 
     def mamba_protected_size(self) -> int:
         return int(self.kvcore_cache.mamba_protected_size())
