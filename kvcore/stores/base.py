@@ -8,6 +8,15 @@ round trip), checks every value's frame (a bad one is a miss, counted as an
 error too), and counts hits, misses, bytes and round trips.  Bad *arguments*
 (keys that are not strings, a values list of another length) are the caller's
 bug and raise ``ValueError`` before anything is sent.
+
+Three ways to read, one set of rules: ``batch_get`` answers ``bytes`` (a copy the
+caller owns), ``batch_get_views`` read-only memoryviews of the payload inside
+the frame the store read (no copy out of it), ``batch_get_into`` writes each
+payload into a buffer the caller gives (a host-tier page, a pinned block) and
+answers whether it holds a checked value.  A store that can read faster than
+through ``_get`` overrides ``_get_buffers`` (framed values in buffers of its
+own) and ``_get_into`` (payloads straight into the caller's buffers); the
+defaults go through ``_get``, so every store has all three.
 """
 
 from __future__ import annotations
@@ -17,9 +26,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from kvcore.stores.framing import frame, unframe
+from kvcore.stores.framing import FRAME_OVERHEAD, check_split, frame, unframe_view
+
+if TYPE_CHECKING:
+    import numpy as np
+    from typing_extensions import Buffer
 
 __all__ = ["KVStore", "StoreStats"]
 
@@ -44,6 +57,28 @@ def _check_keys(keys: Sequence[str]) -> list[str]:
         if not isinstance(k, str) or not k:
             raise ValueError(f"store keys must be non-empty strings, got {k!r}")
     return keys
+
+
+def _check_buffers(buffers: Sequence[Buffer | np.ndarray[Any, Any]], n: int) -> list[memoryview]:
+    """Each buffer as a writable flat byte view; ``ValueError`` naming the first that is not one."""
+    buffers = list(buffers)
+    if len(buffers) != n:
+        raise ValueError(f"batch_get_into got {n} keys but {len(buffers)} buffers")
+    out = []
+    for i, b in enumerate(buffers):
+        try:
+            # numpy's stubs for Python < 3.12 do not declare its arrays buffers; they are.
+            view = memoryview(cast("Buffer", b))
+        except TypeError:
+            raise ValueError(f"buffers[{i}] is a {type(b).__name__}, not a buffer: pass a bytearray, a memoryview "
+                             "or a numpy array (a torch CPU tensor: t.numpy())") from None
+        if view.readonly:
+            raise ValueError(f"buffers[{i}] is read-only: batch_get_into writes into it (pass a bytearray, "
+                             "not bytes)")
+        if not view.c_contiguous:
+            raise ValueError(f"buffers[{i}] is not contiguous: pass a contiguous buffer (t.contiguous())")
+        out.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return out
 
 
 class KVStore(ABC):
@@ -83,6 +118,31 @@ class KVStore(ABC):
     def _clear(self) -> None:
         """Drop every value this store's URL addresses."""
 
+    def _get_buffers(self, keys: list[str]) -> Sequence[bytes | bytearray | memoryview | None]:
+        """The framed value under each key in any buffer, None where absent (default: ``_get``).
+
+        A store that reads into buffers of its own (a socket's ``recv_into``) answers those; the
+        base class checks them in place and never writes to them."""
+        return self._get(keys)
+
+    def _get_into(self, keys: list[str], targets: list[memoryview]) -> list[tuple[bytes, int] | None]:
+        """Read each key's payload into its target; per key None where absent, else ``(header, size)``:
+        the value's first ``FRAME_OVERHEAD`` bytes (all of it if shorter) and its size in bytes.
+
+        The payload (what follows the header) goes into the target when, and only when,
+        ``size == FRAME_OVERHEAD + target.nbytes``; the base class checks the rest.  The default
+        reads through ``_get_buffers`` and copies."""
+        out: list[tuple[bytes, int] | None] = []
+        for data, target in zip(self._get_buffers(keys), targets, strict=True):
+            if data is None:
+                out.append(None)
+                continue
+            view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+            if view.nbytes == FRAME_OVERHEAD + target.nbytes:
+                target[:] = view[FRAME_OVERHEAD:]
+            out.append((bytes(view[:FRAME_OVERHEAD]), view.nbytes))
+        return out
+
     def _close(self) -> None:
         """Release connections and files (default: nothing to release)."""
 
@@ -111,23 +171,62 @@ class KVStore(ABC):
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """The payload under each key, None for a miss: absent, failed, or a value whose length or
         checksum does not hold (truncated, foreign, corrupted)."""
+        return [None if v is None else bytes(v) for v in self._views(_check_keys(keys))]
+
+    def batch_get_views(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """As ``batch_get``, but each payload as a read-only memoryview of the frame the store read,
+        not copied out of it.  A view is the caller's to keep: the store never writes to or reuses
+        what it points into (``memoryview.release()`` is not needed).  Same misses, same counters."""
+        return self._views(_check_keys(keys))
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer | np.ndarray[Any, Any]]) -> list[bool]:
+        """Write the payload under each key into its buffer; whether each buffer now holds it.
+
+        A buffer is anything writable and contiguous with the buffer protocol (a bytearray, a
+        memoryview, a numpy array; a torch CPU tensor through ``t.numpy()``), sized to the payload
+        it expects: a value of another size is a miss, like one that fails its checksum (both
+        counted in ``errors``).  Where the answer is False the buffer's contents are unspecified
+        (a value that failed its check may have been written there): do not use them.  A failure
+        answers False for its keys and never raises; bad arguments raise ``ValueError``."""
         keys = _check_keys(keys)
+        targets = _check_buffers(buffers, len(keys))
         if not keys:
             return []
-        raw = None if self._closed else self._guard("get", keys, lambda: self._get(keys))
+        got = None if self._closed else self._guard("get", keys, lambda: self._get_into(keys, targets))
+        if got is None:
+            self._count(misses=len(keys))
+            return [False] * len(keys)
+        out: list[bool] = []
+        hits = misses = bad = nbytes = 0
+        for key, target, g in zip(keys, targets, got, strict=True):
+            ok = g is not None and check_split(key, g[0], g[1], target)
+            if ok:
+                hits += 1
+                nbytes += target.nbytes
+            else:
+                misses += 1
+                bad += g is not None
+            out.append(ok)
+        self._count(hits=hits, misses=misses, errors=bad, bytes_read=nbytes)
+        return out
+
+    def _views(self, keys: list[str]) -> list[memoryview | None]:
+        if not keys:
+            return []
+        raw = None if self._closed else self._guard("get", keys, lambda: self._get_buffers(keys))
         if raw is None:
             self._count(misses=len(keys))
             return [None] * len(keys)
-        out: list[bytes | None] = []
+        out: list[memoryview | None] = []
         hits = misses = bad = nbytes = 0
         for key, data in zip(keys, raw, strict=True):
-            payload = unframe(key, data)
+            payload = unframe_view(key, data)
             if payload is None:
                 misses += 1
                 bad += data is not None
             else:
                 hits += 1
-                nbytes += len(payload)
+                nbytes += payload.nbytes
             out.append(payload)
         self._count(hits=hits, misses=misses, errors=bad, bytes_read=nbytes)
         return out

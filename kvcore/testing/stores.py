@@ -22,7 +22,9 @@ overwrite, truncated / foreign / garbage values read as misses, bad arguments
 refused before anything is sent, a store that goes away mid-run (misses and
 ``False``, counted in ``errors``, never an exception; works again once back),
 concurrent writers of one key (a reader sees one whole value), ``clear``,
-``ttl``, ``stats`` counters, and namespaced keys.
+``ttl``, ``stats`` counters, and namespaced keys; and the same promises for
+``batch_get_views`` and ``batch_get_into`` (a value of another size than the
+buffer, or one that fails its check, is ``False``, counted in ``errors``).
 """
 
 from __future__ import annotations
@@ -231,6 +233,89 @@ class StoreConformance:
         assert store.batch_get([keys[0]]) == [None]
         assert store.batch_set([keys[0]], [b"x"]) == [False]
         assert store.batch_exists([keys[0]]) == 0
+
+    def test_views_and_into_round_trip(self, store: KVStore, keys: list[str]) -> None:
+        values = [os.urandom(n) for n in (0, 1, 100, 4096, 1 << 17)]
+        store.batch_set(keys[:5], values)
+        before = store.stats()
+        views = store.batch_get_views(keys[:6])
+        assert [None if v is None else bytes(v) for v in views] == [*values, None]
+        assert all(v is None or v.readonly for v in views)
+        buffers = [bytearray(len(v)) for v in values] + [bytearray(8)]
+        assert store.batch_get_into(keys[:6], buffers) == [True] * 5 + [False]
+        assert buffers[:5] == values
+        after = store.stats()
+        assert after["hits"] - before["hits"] == 10 and after["misses"] - before["misses"] == 2
+        assert after["bytes_read"] - before["bytes_read"] == 2 * sum(map(len, values))
+        assert after["errors"] == before["errors"]
+        assert store.batch_get_views([]) == [] and store.batch_get_into([], []) == []
+
+    def test_into_a_buffer_of_another_size_or_a_bad_value_is_false(self, store: KVStore, keys: list[str]) -> None:
+        payload = os.urandom(3000)
+        store.batch_set(keys[:4], [payload] * 4)
+        self.corrupt(store, keys[2], frame(keys[2], payload)[: FRAME_OVERHEAD + 2000])  # truncated
+        flipped = bytearray(frame(keys[3], payload))
+        flipped[FRAME_OVERHEAD + 7] ^= 0x01
+        self.corrupt(store, keys[3], bytes(flipped))
+        before = store.stats()
+        # A stale buffer that already holds the payload must not pass for a truncated value.
+        buffers = [bytearray(2999), bytearray(3001), bytearray(payload), bytearray(3000)]
+        assert store.batch_get_into(keys[:4], buffers) == [False] * 4
+        assert store.batch_get_views(keys[2:4]) == [None, None]
+        after = store.stats()
+        assert after["errors"] - before["errors"] == 6 and after["misses"] - before["misses"] == 6
+        assert after["hits"] == before["hits"]
+
+    def test_into_takes_any_writable_contiguous_buffer(self, store: KVStore, keys: list[str]) -> None:
+        import numpy as np
+
+        payload = os.urandom(4 * 64)
+        store.batch_set(keys[:3], [payload] * 3)
+        floats = np.zeros((4, 16), dtype=np.float32)
+        block = bytearray(3 * len(payload))
+        view = memoryview(block)[len(payload): 2 * len(payload)]
+        assert store.batch_get_into(keys[:3], [floats, view, memoryview(bytearray(len(payload)))]) == [True] * 3
+        assert floats.tobytes() == payload and bytes(view) == payload
+        assert block[: len(payload)] == bytes(len(payload)) and block[2 * len(payload):] == bytes(len(payload))
+
+    def test_into_refuses_bad_buffers_and_sends_nothing(self, store: KVStore, keys: list[str]) -> None:
+        import numpy as np
+
+        before = store.stats()
+        with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+            store.batch_get_into(keys[:2], [bytearray(4)])
+        with pytest.raises(ValueError, match=r"buffers\[0\] is read-only"):
+            store.batch_get_into(keys[:1], [b"1234"])
+        with pytest.raises(ValueError, match=r"buffers\[1\] is a str, not a buffer"):
+            store.batch_get_into(keys[:2], [bytearray(4), "text"])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="not contiguous"):
+            store.batch_get_into(keys[:1], [np.zeros((4, 4), dtype=np.uint8)[:, 1]])
+        with pytest.raises(ValueError, match="keys"):
+            store.batch_get_views([keys[0], 7])  # type: ignore[list-item]
+        assert store.stats() == before
+
+    def test_views_and_into_when_the_store_goes_away(self, store: KVStore, keys: list[str]) -> None:
+        if not self.can_go_away:
+            pytest.skip(f"{type(self).__name__} declares can_go_away = False (an in-process store cannot go away)")
+        store.batch_set(keys[:2], [b"a", b"b"])
+        self.break_store(store)
+        try:
+            errors = store.stats()["errors"]
+            assert store.batch_get_views(keys[:2]) == [None, None]
+            assert store.batch_get_into(keys[:2], [bytearray(1), bytearray(1)]) == [False, False]
+            assert store.stats()["errors"] >= errors + 2
+        finally:
+            self.restore_store(store)
+        _eventually(lambda: store.batch_set([keys[4]], [b"e"]) == [True], "a write after the store came back")
+        got = bytearray(1)
+        assert store.batch_get_into([keys[4]], [got]) == [True] and got == b"e"
+        assert [bytes(v) for v in store.batch_get_views([keys[4]]) if v is not None] == [b"e"]
+
+    def test_closed_store_views_and_into_miss(self, store_url: str, keys: list[str]) -> None:
+        store = self.open(store_url)
+        store.close()
+        assert store.batch_get_views([keys[0]]) == [None]
+        assert store.batch_get_into([keys[0]], [bytearray(1)]) == [False]
 
     def test_namespaced_page_keys(self, store: KVStore) -> None:
         ns = StoreNamespace(f"kit-{self._run}:L2:H2:D4", "float16", 4)

@@ -63,13 +63,16 @@ def _wait(check: Callable[[], object], what: str, deadline_s: float = 20.0) -> N
 
 
 class RedisServer:
-    """One ``redis-server`` on ``127.0.0.1:port`` with its data in ``dir``; ``args`` are extra config lines."""
+    """One ``redis-server`` on ``127.0.0.1:port`` with its data in ``dir``; ``args`` are extra config lines;
+    ``password``: clients must ``AUTH`` with it (``client()`` does)."""
 
-    def __init__(self, dir: str | os.PathLike[str], port: int | None = None, args: Sequence[str] = ()) -> None:
+    def __init__(self, dir: str | os.PathLike[str], port: int | None = None, args: Sequence[str] = (),
+                 password: str | None = None) -> None:
         self.dir = Path(dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port(bus=any(a == "--cluster-enabled" for a in args))
         self.args = list(args)
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -77,12 +80,13 @@ class RedisServer:
         return f"127.0.0.1:{self.port}"
 
     def client(self, timeout: float = 5.0) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout, password=self.password)
 
     def start(self) -> RedisServer:
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                "--save", "", "--appendonly", "no", "--daemonize", "no", "--protected-mode", "no",
-               "--logfile", str(self.dir / "redis.log"), *self.args]
+               "--logfile", str(self.dir / "redis.log"), *self.args,
+               *(["--requirepass", self.password] if self.password is not None else [])]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
 

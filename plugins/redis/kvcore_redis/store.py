@@ -8,6 +8,12 @@ miss or their writes answer False, one error is counted, and the server is
 skipped for ``backoff`` seconds.  The Cluster client is used for its slot map
 only, so a dead node never stalls the batches of the live ones; run the nodes
 with ``cluster-require-full-coverage no`` so the live ones keep answering.
+
+Reads skip redis-py: :mod:`kvcore_redis.resp` sends ``MGET`` (a Cluster node: pipelined
+``GET``) on a socket of its own per thread and reads each value straight into its
+destination, so ``batch_get_views`` costs one read off the socket and the CRC pass, and
+``batch_get_into`` puts each payload into the caller's buffer with no copy in between.
+Writes, ``EXISTS``, ``SCAN`` and ``CLUSTER SLOTS`` go through redis-py.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvcore.stores import KVStore, StoreURL
+from kvcore.stores import FRAME_OVERHEAD, KVStore, StoreURL
 from kvcore_redis.config import RedisOptions
 from kvcore_redis.packer import ZeroCopyPacker
+from kvcore_redis.resp import RawConnection, RawPool
 
 __all__ = ["RedisStore", "RedisClusterStore"]
 
@@ -57,14 +64,21 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _raw_pool(host: str, port: int, opts: RedisOptions, db: int = 0,
+              username: str | None = None, password: str | None = None) -> RawPool:
+    return RawPool(lambda: RawConnection(host, port, opts.timeout, db, username, password,
+                                         frame_header=FRAME_OVERHEAD))
+
+
 class _Node:
-    """One server's client and when it may be tried again after a failure."""
+    """One server's clients (redis-py's, and the read path's sockets) and when it may be tried again."""
 
-    __slots__ = ("name", "client", "retry_at")
+    __slots__ = ("name", "client", "raw", "retry_at")
 
-    def __init__(self, name: str, client: redis.Redis) -> None:
+    def __init__(self, name: str, client: redis.Redis, raw: RawPool) -> None:
         self.name = name
         self.client = client
+        self.raw = raw
         self.retry_at = 0.0
 
 
@@ -133,8 +147,25 @@ class _RedisBase(KVStore):
 
         return self._per_node("exists", keys, False, run)
 
+    #: Reads are one MGET per server; a Cluster node takes MGET of one slot only and is sent GETs.
+    _mget = True
+
     def _get(self, keys: list[str]) -> list[bytes | None]:
-        return self._per_node("get", keys, None, lambda node, ks, _: node.client.mget(ks))
+        return [None if v is None else bytes(v) for v in self._get_buffers(keys)]
+
+    def _get_buffers(self, keys: list[str]) -> list[memoryview | None]:
+        def run(node: _Node, ks: list[str], _: list[int]) -> list[memoryview | None]:
+            with node.raw.connection() as conn:
+                return conn.get_values(ks, self._mget)
+
+        return self._per_node("get", keys, None, run)
+
+    def _get_into(self, keys: list[str], targets: list[memoryview]) -> list[tuple[bytes, int] | None]:
+        def run(node: _Node, ks: list[str], idx: list[int]) -> list[tuple[bytes, int] | None]:
+            with node.raw.connection() as conn:
+                return conn.get_into(ks, [targets[i] for i in idx], self._mget)
+
+        return self._per_node("get", keys, None, run)
 
     def _set(self, keys: list[str], values: list[bytes]) -> list[bool]:
         px = None if self.ttl is None else max(1, int(self.ttl * 1000))
@@ -167,6 +198,7 @@ class _RedisBase(KVStore):
             self._pool.shutdown(wait=True)
         for node in self._all_nodes():
             node.client.close()
+            node.raw.close()
 
 
 class RedisStore(_RedisBase):
@@ -176,7 +208,8 @@ class RedisStore(_RedisBase):
                  username: str | None = None, password: str | None = None) -> None:
         super().__init__(url, opts)
         client = _client(host, port, opts, db=db, username=username, password=password)
-        self._node = _Node(f"{host}:{port}", client)
+        raw = _raw_pool(host, port, opts, db, username, password)
+        self._node = _Node(f"{host}:{port}", client, raw)
 
     @classmethod
     def from_url(cls, url: StoreURL) -> RedisStore:
@@ -235,7 +268,7 @@ class RedisClusterStore(_RedisBase):
         if node is None:
             host, _, port = name.rpartition(":")
             client = _client(host, int(port), self.options)
-            node = self._nodes.setdefault(name, _Node(name, client))
+            node = self._nodes.setdefault(name, _Node(name, client, _raw_pool(host, int(port), self.options)))
         return node
 
     def _slot_map(self) -> list[str]:
@@ -282,15 +315,8 @@ class RedisClusterStore(_RedisBase):
 
         return super()._per_node(what, keys, miss, guarded)
 
-    def _get(self, keys: list[str]) -> list[bytes | None]:
-        # MGET on a cluster node needs one slot: a pipeline of GETs is still one round trip per node.
-        def run(node: _Node, ks: list[str], _: list[int]) -> list[bytes | None]:
-            pipe = node.client.pipeline(transaction=False)
-            for k in ks:
-                pipe.get(k)
-            return pipe.execute()
-
-        return self._per_node("get", keys, None, run)
+    # MGET on a cluster node needs one slot: pipelined GETs are still one round trip per node.
+    _mget = False
 
     def _groups(self, keys: list[str]) -> list[tuple[_Node, list[int]]]:
         slots = self._slot_map()
@@ -313,3 +339,4 @@ class RedisClusterStore(_RedisBase):
             self._pool.shutdown(wait=True)
         for node in self._nodes.values():
             node.client.close()
+            node.raw.close()
