@@ -31,6 +31,13 @@ __all__ = [
 ]
 
 
+def free_page_ids(allocator: Any) -> torch.Tensor:
+    """SGLang's free pages in hand-out order: 0.5.23 answers ``get_all_free_pages()`` (its paged allocator
+    keeps no ``release_pages``); 0.5.19 keeps ``free_pages``, then ``release_pages``."""
+    get = getattr(allocator, "get_all_free_pages", None)
+    return get() if get is not None else torch.cat((allocator.free_pages, allocator.release_pages))
+
+
 class _SGLangPages:
     """What kvcore's :class:`~kvcore.pools.claims.SlotOwnership` reads of a pool's pages, over SGLang's allocator.
 
@@ -49,7 +56,7 @@ class _SGLangPages:
         """Per page id (0 is padding): non-zero where SGLang's allocator holds the page free."""
         a = self.sglang
         mask = torch.zeros(self.size // self.page_size + 1, dtype=torch.int32, device=a.free_pages.device)
-        mask[torch.cat((a.free_pages, a.release_pages)).to(torch.int64)] = 1
+        mask[free_page_ids(a).to(torch.int64)] = 1
         return self.ops.view(mask)
 
     def page_ids(self, s: Any) -> Any:
@@ -151,7 +158,7 @@ class AllocatorView(_AllocatorCalls):
     def free_slots(self) -> torch.Tensor:
         """Every free slot, in the order SGLang hands them out (``free_pages``, then ``release_pages``)."""
         a = self.sglang
-        ids = torch.cat((a.free_pages, a.release_pages)).to(torch.int64).cpu()
+        ids = free_page_ids(a).to(torch.int64).cpu()
         if self.page_size == 1:
             return ids
         return (ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)

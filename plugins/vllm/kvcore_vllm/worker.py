@@ -1,0 +1,127 @@
+"""The worker side: whole blocks between vLLM's KV tensors and the host region, then to the store.
+
+vLLM hands the worker its KV caches as canonical tensors, each ``(num_blocks,
+page_bytes)`` bytes.  A host row is those pages side by side, so one transfer
+is one indexed copy per tensor (``index_select`` / ``index_copy_`` over all the
+transfer's blocks), never a loop over blocks or tokens.  A store job, once its
+blocks are in the host region, hands a copy of the rows to a writer thread that
+``batch_set``\\ s them (kvcore frames each with its length and checksum); the
+job is reported done at once, so vLLM never waits on the network.  A failed
+write only means the store lacks the block: a later reader misses and computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvcore.stores import KVStore
+
+from kvcore_vllm.manager import KvcoreLoadStoreSpec
+from kvcore_vllm.region import HostRegion
+
+__all__ = ["KvcoreOffloadingWorker", "canonical_row_bytes"]
+
+log = logging.getLogger("kvcore_vllm")
+
+
+def canonical_row_bytes(kv_caches: CanonicalKVCaches) -> int:
+    return sum(int(t.tensor.shape[1]) for t in kv_caches.tensors)
+
+
+class KvcoreOffloadingWorker(OffloadingWorker):
+    def __init__(self, kv_caches: CanonicalKVCaches, region: HostRegion, store: KVStore | None) -> None:
+        self.region = region
+        self.store = store
+        self.tensors: list[torch.Tensor] = []
+        self.columns: list[tuple[int, int]] = []
+        off = 0
+        for t in kv_caches.tensors:
+            tensor = t.tensor
+            width = int(tensor.shape[1])
+            self.tensors.append(tensor)
+            self.columns.append((off, off + width))
+            off += width
+        if off != region.row_bytes:
+            raise ValueError(f"kvcore-vllm: vLLM's KV caches hold {off} bytes per block but the host tier was sized "
+                             f"for {region.row_bytes}; this KV layout is not served (see the plugin's README)")
+        self._finished: list[TransferResult] = []
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[Future[list[bool]]] = []
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+
+    @staticmethod
+    def _index(ids: object) -> torch.Tensor:
+        return torch.as_tensor(ids, dtype=torch.int64)
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvcoreLoadStoreSpec)
+        t0 = time.perf_counter()
+        blocks = self._index(src_spec.block_ids)
+        slots = self._index(dst_spec.slots)
+        n = min(len(blocks), len(slots))
+        blocks, slots = blocks[:n], slots[:n]
+        host = self.region.data
+        if n:
+            for tensor, (lo, hi) in zip(self.tensors, self.columns, strict=True):
+                host[slots, lo:hi] = tensor.index_select(0, blocks).view(torch.uint8)
+        size = n * self.region.row_bytes
+        if n and dst_spec.store_keys and self.store is not None:
+            rows = host.index_select(0, slots)  # a copy: the slots may be reused before the write ends
+            payloads = [memoryview(rows[i].numpy()) for i in range(n)]
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-vllm-write")
+            self._writes = [w for w in self._writes if not w.done()]
+            self._writes.append(self._writer.submit(self.store.batch_set, dst_spec.store_keys[:n], payloads))
+        self.bytes_stored += size
+        self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - t0))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KvcoreLoadStoreSpec)
+        t0 = time.perf_counter()
+        slots = self._index(src_spec.slots)
+        blocks = self._index(dst_spec.block_ids)
+        n = min(len(blocks), len(slots))
+        blocks, slots = blocks[:n], slots[:n]
+        if n:
+            rows = self.region.data.index_select(0, slots)
+            for tensor, (lo, hi) in zip(self.tensors, self.columns, strict=True):
+                tensor.index_copy_(0, blocks, rows[:, lo:hi].view(tensor.dtype))
+        size = n * self.region.row_bytes
+        self.bytes_loaded += size
+        self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - t0))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Every job is done when its submit returns (the copies are synchronous on this device)."""
+
+    def flush(self) -> None:
+        """Wait for the store writes handed to the writer thread (tests and benchmarks call it)."""
+        for w in self._writes:
+            w.result()
+        self._writes.clear()
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        self._writes.clear()
+        if self.store is not None:
+            self.store.close()
+        self.region.close()
