@@ -671,6 +671,35 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.cached_sizes() == sizes
         eng.check()
 
+    def test_swa_early_unlock_without_a_window_lock_is_refused(self, swa_cache: Callable[..., Any]) -> None:
+        """``dec_swa_lock_only`` on a node no lock holds, or a second time, is a ValueError that changes nothing."""
+        cache = swa_cache()
+        self._tree_only(cache)
+        p = cache.page_size
+        eng = self.swa_engine(cache)
+        eng.finish(eng.run(_toks(4 * p, 0), rid="x"))
+        node = cache.match_prefix(RadixKey(_toks(4 * p, 0))).last_device_node
+        state = (pool_available(cache), cache.cached_sizes(), cache.full_protected_size(), cache.swa_protected_size())
+
+        def same() -> bool:
+            return state == (pool_available(cache), cache.cached_sizes(), cache.full_protected_size(),
+                             cache.swa_protected_size())
+
+        with pytest.raises(ValueError, match="holds no window lock to give back"):
+            cache.dec_swa_lock_only(node)
+        assert same()
+        lock = cache.inc_lock_ref(node)
+        cache.dec_swa_lock_only(node, lock)
+        state = (pool_available(cache), cache.cached_sizes(), cache.full_protected_size(), cache.swa_protected_size())
+        with pytest.raises(ValueError):
+            cache.dec_swa_lock_only(node, lock)
+        with pytest.raises(ValueError, match="holds no window lock to give back"):
+            cache.dec_swa_lock_only(node)
+        assert same()
+        cache.dec_lock_ref(node, lock)
+        assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
+        eng.check()
+
     # ------------------------------------------------------------------ evict
 
     def test_swa_evict_reports_both_counts(self, swa_cache: Callable[..., Any]) -> None:

@@ -624,9 +624,14 @@ class SWARadixCache(SlidingWindowMixin, KVEventLog, BasePrefixCache):
             if lock.swa_released:
                 raise ValueError(f"dec_swa_lock_only: the window lock on {node} was already released")
         swa_nodes = self._swa_locked_nodes(path, lock, "dec_swa_lock_only")
-        for x in swa_nodes:
+        # Without a record, a lock taken now would cover nothing (a tombstone leaf): no window lock is held.
+        for x in swa_nodes or ([node] if lock is None else []):
             if x.tombstone or x.swa_lock_ref <= 0 or x.lock_ref <= 0:
-                raise ValueError(f"dec_swa_lock_only: {x} holds no window lock to give back")
+                where = "" if x is node else f" ({x!r} on its path holds none)"
+                raise ValueError(
+                    f"dec_swa_lock_only: {node!r} holds no window lock to give back{where}; pass the node and the "
+                    "lock that inc_lock_ref returned, once (nothing was changed)"
+                )
         delta = self._dec_swa(swa_nodes, tombstone_leaves=True)
         if lock is not None:
             lock.released_early.add("swa")

@@ -456,6 +456,8 @@ class SWAComponent(LRUValueComponent):
             x = x.parent
         lock.stop = stop
         lock.extras["swa_skip"] = skip
+        # How many window tokens it took: a lock that took none has no window lock to give back early.
+        lock.extras["swa_tokens"] = size
 
     def unlock(self, node: Any, lock: LockResult | None) -> None:
         root = self.cache.root_node
@@ -475,18 +477,26 @@ class SWAComponent(LRUValueComponent):
                 return
             x = x.parent
 
+    def window_locked(self, node: Any, lock: LockResult | None) -> list[Any]:
+        """The nodes whose window lock ``release_window(node, lock)`` gives back (leaf first): those holding
+        one on ``node``'s path, up to the lock's stop marker, less the tombstones the lock passed over."""
+        root = self.cache.root_node
+        stop = lock.stop if lock is not None else None
+        skip = lock.extras.get("swa_skip", ()) if lock is not None else ()
+        out = []
+        x = node
+        while x is not root:
+            if x.swa_value is not None and x.swa_lock_ref > 0 and x.id not in skip:
+                out.append(x)
+            if stop and x.swa_uuid == stop:
+                break
+            x = x.parent
+        return out
+
     def release_window(self, node: Any, lock: LockResult | None) -> None:
         """SGLang's release_window_lock: drop the window lock, tombstoning leaves nothing else locks."""
         cache = self.cache
-        root = cache.root_node
-        stop = lock.stop if lock is not None else None
-        x = node
-        while x is not root:
-            if x.swa_value is None or x.swa_lock_ref == 0:
-                if stop and x.swa_uuid == stop:
-                    return
-                x = x.parent
-                continue
+        for x in self.window_locked(node, lock):
             x.swa_lock_ref -= 1
             if x.swa_lock_ref == 0:
                 n = len(x.key)
@@ -494,9 +504,6 @@ class SWAComponent(LRUValueComponent):
                 self._evictable += n
                 if cache.is_leaf(x):
                     self.free_value(x)
-            if stop and x.swa_uuid == stop:
-                return
-            x = x.parent
 
     # -- checks ------------------------------------------------------------------------
     def check(self, node: Any) -> None:

@@ -789,13 +789,30 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             return LockResult(0)
         swa = next((c for c in self.aux if c.window_lock), None)
         if swa is None:
-            raise NotImplementedError("dec_swa_lock_only: this unified cache has no swa component "
-                                      "(supports_window_lock_release is False)")
+            self._path(node, "dec_swa_lock_only")
+            raise NotImplementedError(
+                f"dec_swa_lock_only: {node!r} holds no window lock to give back: components "
+                f"{tuple(c.name for c in self.components)!r} have no swa component; check "
+                "supports_window_lock_release first (nothing was changed)"
+            )
         self._path(node, "dec_swa_lock_only")
         if lock is not None:
             lock.check_not_released("dec_swa_lock_only", node)
             if swa.name in lock.released_early:
                 raise ValueError(f"dec_swa_lock_only: the window lock on {node!r} was already given back")
+        took = lock.extras.get("swa_tokens") if lock is not None else None
+        if took == 0:
+            # The lock took no window lock (its path was all tombstones): nothing to give back early.
+            lock.released_early.add(swa.name)  # type: ignore[union-attr]
+            return LockResult(0, None, {"swa_delta": 0})
+        # Without a lock on node itself, the walk up would give back window locks other requests hold.
+        # (A lock record from elsewhere, without swa_tokens, may have taken none: it is not refused.)
+        gone = not swa.window_locked(node, lock) and (lock is None or took is not None)  # type: ignore[attr-defined]
+        if node.lock_ref <= 0 or gone:
+            raise ValueError(
+                f"dec_swa_lock_only: {node!r} holds no window lock to give back; pass the node and the lock "
+                "that inc_lock_ref returned, once (nothing was changed)"
+            )
         before = swa.protected_size()
         swa.release_window(node, lock)  # type: ignore[attr-defined]
         for c in self.aux:

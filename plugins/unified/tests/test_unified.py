@@ -105,3 +105,57 @@ def test_config_errors_name_the_field():
         kvcore.create_cache("unified", eviction_policy="lfu")
     c = kvcore.create_cache("unified-swa", size=64, swa_size=64, sliding_window_size=8)
     assert c.sliding_window_size == 8 and set(c.cached_sizes()) == {"full", "swa"}
+
+
+COMPONENT_SETS = [("full",), ("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba")]
+
+
+def _cache_of(components):
+    opts = dict(size=128, max_num_reqs=4, max_context_len=64)
+    if "swa" in components:
+        opts.update(swa_size=64, sliding_window_size=4)
+    if "mamba" in components:
+        opts.update(mamba_size=8)
+    cache = kvcore.create_cache("unified", components=components, **opts)
+    extra = {"mamba_value": cache.mamba_pool.alloc(1)} if "mamba" in components else {}
+    cache.insert(RadixKey(list(range(1, 9))), cache.token_to_kv_pool_allocator.alloc(8), **extra)
+    return cache
+
+
+def _state(cache):
+    return ({v.name: v.available() for v in cache.pools()}, cache.cached_sizes(), cache.protected_size())
+
+
+@pytest.mark.parametrize("components", COMPONENT_SETS, ids="+".join)
+def test_dec_swa_lock_only_on_a_node_without_a_window_lock_is_refused(components):
+    # As the swa backend: an unlocked node holds no window lock, on every component set.
+    cache = _cache_of(components)
+    node = cache.match_prefix(RadixKey(list(range(1, 9)))).last_device_node
+    before = _state(cache)
+    error = ValueError if "swa" in components else NotImplementedError
+    with pytest.raises(error, match=r"dec_swa_lock_only: .* holds no window lock to give back.*nothing was changed"):
+        cache.dec_swa_lock_only(node)
+    assert _state(cache) == before
+    cache.sanity_check()
+    InvariantChecker(cache).check([])
+
+
+@pytest.mark.parametrize("components", [c for c in COMPONENT_SETS if "swa" in c], ids="+".join)
+def test_dec_swa_lock_only_twice_is_refused_with_or_without_the_lock(components):
+    cache = _cache_of(components)
+    node = cache.match_prefix(RadixKey(list(range(1, 9)))).last_device_node
+    lock = cache.inc_lock_ref(node)
+    assert cache.swa_protected_size() > 0
+    cache.dec_swa_lock_only(node, lock)
+    assert cache.swa_protected_size() == 0
+    before = _state(cache)
+    with pytest.raises(ValueError, match="already given back"):
+        cache.dec_swa_lock_only(node, lock)
+    with pytest.raises(ValueError, match="holds no window lock to give back"):
+        cache.dec_swa_lock_only(node)
+    assert _state(cache) == before
+    cache.dec_lock_ref(node, lock)
+    assert cache.protected_size() == 0
+    cache.sanity_check()
+    InvariantChecker(cache).check([])
+
