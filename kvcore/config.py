@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 if TYPE_CHECKING:
     from kvcore.pools import MHATokenToKVPool, ReqToTokenPool, TokenAllocator
@@ -75,11 +75,38 @@ class CacheConfig(BaseModel):
 
 
 class TreeCacheConfig(CacheConfig):
-    """Options of prefix-tree backends."""
+    """Options of prefix-tree backends.
+
+    ``eviction_policy`` means one thing on every backend: the order its tree evicts
+    unlocked leaves in.  A backend whose tree keeps an order of its own (the window
+    and state orders of ``swa``, ``mamba``, ``unified``) names the policies it runs in
+    ``eviction_policies`` and ``policy_backend``; any other name is refused here, when
+    the options are validated, before a pool is built.  With ``eviction_policies``
+    None the tree resolves the name among the registered policies when it is built.
+    """
+
+    #: The policies (lower case) this backend's tree runs; None: every registered one.
+    eviction_policies: ClassVar[tuple[str, ...] | None] = None
+    #: The backend named in the refusal, and why it runs only ``eviction_policies``.
+    policy_backend: ClassVar[str] = ""
+    policy_reason: ClassVar[str] = ""
 
     eviction_policy: str = Field("lru", description="lru, lfu, fifo, mru, filo, priority, slru or a plugin's")
     enable_kv_events: bool = Field(False, description="record stored/removed page events for take_events()")
     disable: bool = Field(False, description="match nothing, insert nothing")
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _check_eviction_policy(cls, value: str) -> str:
+        allowed = cls.eviction_policies
+        if allowed is not None and value.lower() not in allowed:
+            takes = " or ".join(repr(p) for p in allowed)
+            why = f" ({cls.policy_reason})" if cls.policy_reason else ""
+            raise ValueError(
+                f"the {cls.policy_backend or cls.__name__} backend takes eviction_policy {takes} only{why}; "
+                f"leave eviction_policy out or set it to {allowed[0]!r}"
+            )
+        return value
 
 
 @dataclass(slots=True)

@@ -211,6 +211,30 @@ def test_fuzz_backend_opt(capsys):
     assert code == EXIT_USAGE and "sizes size itself" in _one_line(err)
 
 
+LRU_ONLY = [b for b in ("swa", "mamba", "unified", "unified-swa", "unified-mamba") if b in INSTALLED]
+
+
+@pytest.mark.parametrize("backend", LRU_ONLY)
+def test_eviction_policy_is_refused_by_name_where_the_tree_keeps_its_own_orders(backend, capsys):
+    # Old: each backend refused in its own words after its other checks; now one rule at validation.
+    from kvcore.backend_options import describe_options
+    from kvcore.factory import validate_options
+    from kvcore.plugins import get_backend
+
+    with pytest.raises(kvcore.ConfigError) as exc:
+        validate_options(backend, eviction_policy="lfu")
+    msg = str(exc.value)
+    assert f"backend {backend!r}: option 'eviction_policy': the {backend} backend takes eviction_policy 'lru' only" \
+        in msg and "(got 'lfu')" in msg, msg
+    assert validate_options(backend, eviction_policy="LRU").eviction_policy == "LRU"  # as radix: any case
+    specs = {o["name"]: o for o in describe_options(get_backend(backend).config)}
+    assert specs["eviction_policy"]["description"].startswith("'lru' only")
+    code, out, err = _main(capsys, "fuzz", "--backend", backend, "--ops", "10", "--backend-opt", "eviction_policy=fifo")
+    line = _one_line(err)
+    assert code == EXIT_USAGE and out == "" and f"the {backend} backend takes eviction_policy 'lru' only" in line \
+        and "'fifo'" in line, line
+
+
 # ------------------------------------------------------------------ issue 26: a debuggable CLI
 BUGGY = '''
 import kvcore

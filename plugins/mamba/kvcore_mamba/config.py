@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvcore.config import TreeCacheConfig
 from kvcore.pool_builder import Placement, PoolBuilder
@@ -29,6 +29,12 @@ class MambaConfig(TreeCacheConfig, MambaStateOptions):
     ``page_size``.
     """
 
+    eviction_policies = ("lru",)
+    policy_backend = "mamba"
+    policy_reason = "it keeps two LRU orders, full and state, as SGLang's MambaRadixCache"
+
+    eviction_policy: str = Field("lru", description="'lru' only: the tree keeps two LRU orders (full and state)")
+
     # The state options (mamba_size, mamba_cache_chunk_size, shapes, mamba_track_interval) are
     # kvcore.pools.mamba_pool.MambaStateOptions, shared with the unified backend's mamba component.
 
@@ -47,11 +53,6 @@ class MambaConfig(TreeCacheConfig, MambaStateOptions):
     @model_validator(mode="after")
     def _check_mamba(self) -> MambaConfig:
         self.check_state_options(self.page_size)
-        if self.eviction_policy != "lru":
-            raise ValueError(
-                f"eviction_policy={self.eviction_policy!r} is not supported by the mamba backend: it keeps two "
-                "LRU orders (full and mamba), so only 'lru' applies"
-            )
         return self
 
 

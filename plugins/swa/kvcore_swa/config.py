@@ -89,11 +89,8 @@ class SWAPools(PoolBuilder[SWAChunkConfig]):
 class SWAConfig(TreeCacheConfig, SWAChunkConfig):
     """Options of the ``swa`` backend (SGLang's SWARadixCache): the window options and the tree's."""
 
-    @model_validator(mode="after")
-    def _check_policy(self) -> SWAConfig:
-        if self.eviction_policy != "lru":
-            raise ValueError(
-                f"eviction_policy={self.eviction_policy!r} is not supported by the swa backend: it keeps two "
-                "LRU orders (full and window), so only 'lru' applies"
-            )
-        return self
+    eviction_policies = ("lru",)
+    policy_backend = "swa"
+    policy_reason = "it keeps two LRU orders, full and window, as SGLang's SWARadixCache"
+
+    eviction_policy: str = Field("lru", description="'lru' only: the tree keeps two LRU orders (full and window)")

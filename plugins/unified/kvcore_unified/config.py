@@ -25,6 +25,11 @@ class UnifiedConfig(TieredCacheConfig):
     # The components' options arrive as extra fields; the validator below checks each one.
     model_config = ConfigDict(extra="allow", frozen=True)
 
+    eviction_policies = ("lru",)
+    policy_backend = "unified"
+    policy_reason = "each component keeps its own LRU order, as SGLang's UnifiedRadixCache"
+
+    eviction_policy: str = Field("lru", description="'lru' only: each component keeps its own LRU order")
     components: tuple[str, ...] = Field(("full",), description="tree components, full first: full, swa, mamba, ...")
 
     _component_options: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -47,11 +52,6 @@ class UnifiedConfig(TieredCacheConfig):
 
     @model_validator(mode="after")
     def _check_component_options(self) -> UnifiedConfig:
-        if self.eviction_policy != "lru":
-            raise ValueError(
-                f"eviction_policy={self.eviction_policy!r} is not supported by the unified backend: its full "
-                "component evicts leaves by recency (SGLang's default), so only 'lru' applies"
-            )
         extra = dict(self.model_extra or {})
         # A preset (unified-swa, ...) declares its components' options as fields: those the caller set
         # are checked like any other component option (the rest take the component's defaults).
@@ -127,6 +127,8 @@ class UnifiedSWAConfig(UnifiedConfig):
     (``kvcore bench``) see that it takes them.
     """
 
+    policy_backend = "unified-swa"
+
     components: tuple[str, ...] = Field(("full", "swa"), description="tree components, full first")
     sliding_window_size: int = Field(1024, description="attention window W in tokens (the swa component's)")
     swa_size: int | None = Field(None, description="window-pool token slots (default: size; the swa component's)")
@@ -134,5 +136,7 @@ class UnifiedSWAConfig(UnifiedConfig):
 
 class UnifiedMambaConfig(UnifiedConfig):
     """``unified-mamba``: ``unified`` with components (full, mamba) by default."""
+
+    policy_backend = "unified-mamba"
 
     components: tuple[str, ...] = Field(("full", "mamba"), description="tree components, full first")
