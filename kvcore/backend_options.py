@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from kvcore.config import did_you_mean
 from kvcore.errors import KvcoreError
 
 __all__ = ["OptionError", "parse_backend_opts", "parse_value", "describe_options", "format_validation_error"]
@@ -57,8 +58,11 @@ def parse_backend_opts(items: Iterable[str], flag: str = "--backend-opt") -> lis
     return out
 
 
-def format_validation_error(exc: ValidationError, flags: Mapping[str, str], what: str = "") -> str:
-    """One line for a pydantic error: each field named by the option the user typed (``flags[field]``)."""
+def format_validation_error(exc: ValidationError, flags: Mapping[str, str], what: str = "",
+                            known: Iterable[str] = ()) -> str:
+    """One line for a pydantic error: each field named by the option the user typed (``flags[field]``);
+    an unknown option gets the nearest of ``known`` as a did-you-mean."""
+
     parts = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
@@ -69,7 +73,7 @@ def format_validation_error(exc: ValidationError, flags: Mapping[str, str], what
             continue
         opt = flags.get(field, f"option {field!r}")
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown option {field!r}")
+            parts.append(f"unknown option {field!r}{did_you_mean(field, known)}")
         else:
             parts.append(f"{opt}: {message} (got {err.get('input')!r})")
     return (f"{what}: " if what else "") + "; ".join(parts)

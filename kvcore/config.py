@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -10,7 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 if TYPE_CHECKING:
     from kvcore.pools import MHATokenToKVPool, ReqToTokenPool, TokenAllocator
 
-__all__ = ["CacheConfig", "TreeCacheConfig", "KvBufferConfig", "CacheInitParams"]
+__all__ = ["CacheConfig", "TreeCacheConfig", "KvBufferConfig", "CacheInitParams", "did_you_mean"]
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the known option nearest a misspelt ``name``, or ``""`` when none is near."""
+    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 class KvBufferConfig(BaseModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from kvcore import hookspecs
 from kvcore.cache import BasePrefixCache
-from kvcore.config import CacheConfig, CacheInitParams
+from kvcore.config import CacheConfig, CacheInitParams, did_you_mean
 from kvcore.devices import check_device, get_device
 from kvcore.errors import DeviceUnavailable, KvcoreError, PluginError
 from kvcore.plugins import BackendSpec, get_backend, get_plugin_manager
@@ -34,7 +34,7 @@ class ConfigError(KvcoreError, ValueError):
     """An option given to ``create_cache`` is unknown or invalid."""
 
 
-def _format_validation_error(backend: str, exc: ValidationError) -> str:
+def _format_validation_error(backend: str, exc: ValidationError, known: Iterable[str] = ()) -> str:
     parts = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"])
@@ -42,7 +42,7 @@ def _format_validation_error(backend: str, exc: ValidationError) -> str:
         if not field:
             parts.append(message)
         elif err["type"] == "extra_forbidden":
-            parts.append(f"unknown option {field!r}")
+            parts.append(f"unknown option {field!r}{did_you_mean(field, known)}")
         else:
             parts.append(f"option {field!r}: {message} (got {err.get('input')!r})")
     return f"backend {backend!r}: " + "; ".join(parts)
@@ -103,7 +103,7 @@ def validate_options(name: str, **options: Any) -> CacheConfig:
     try:
         return spec.config(**device_defaults(spec, options))
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(name, exc)) from None
+        raise ConfigError(_format_validation_error(name, exc, spec.config.model_fields)) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"backend {name!r}: {exc}") from None
 

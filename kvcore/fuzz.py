@@ -99,6 +99,9 @@ def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, 
             raise OptionError(f"--backend-opt {key}: the fuzz sizes {key} itself" + (f"; use {flag}" if flag else ""))
     ps = page_size if page_size is not None else int(fields["page_size"].default or 1)
     flags = {"page_size": "--page-size", **{k: f"--backend-opt {k}" for k in extra}}
+    given = ([f"--page-size {page_size}"] if page_size is not None else []) + [
+        f"--backend-opt {k}={v}" for k, v in extra.items()]
+    what = f"backend {backend!r}" + (f" with {' '.join(given)}" if given else "")
     error = ""
     for scale in (1, 64, 1024):
         kwargs: dict[str, Any] = {
@@ -112,17 +115,15 @@ def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, 
         try:
             model(**kwargs)
         except ValidationError as exc:
-            error = format_validation_error(exc, flags)
+            error = format_validation_error(exc, flags, known=fields)
             if any(str(e["loc"][0]) in flags for e in exc.errors() if e["loc"]):
-                break  # the user's own option is refused: a larger pool will not help
+                # The user's own option is refused: a larger pool will not help.
+                raise ConfigError(f"{what}: {error}") from None
             continue
         except (ConfigError, ValueError) as exc:
             error = str(exc)
             continue
         return kwargs
-    given = ([f"--page-size {page_size}"] if page_size is not None else []) + [
-        f"--backend-opt {k}={v}" for k, v in extra.items()]
-    what = f"backend {backend!r}" + (f" with {' '.join(given)}" if given else "")
     raise ConfigError(f"{what}: no small configuration for the fuzz validates: {error}")
 
 

@@ -235,6 +235,22 @@ def test_eviction_policy_is_refused_by_name_where_the_tree_keeps_its_own_orders(
         and "'fifo'" in line, line
 
 
+def test_an_unknown_option_gets_a_did_you_mean(capsys):
+    # Old: "unknown option 'evicton_policy'" with no hint, where a misspelt hook names the nearest one.
+    with pytest.raises(kvcore.ConfigError, match=r"backend 'chunk': unknown option 'szie'; did you mean 'size'\?"):
+        kvcore.create_cache("chunk", szie=64)
+    with pytest.raises(kvcore.ConfigError, match=r"unknown option 'colour'$"):
+        kvcore.create_cache("chunk", colour="red")  # nothing near: no guess
+    if "radix" in INSTALLED:
+        with pytest.raises(kvcore.ConfigError, match="unknown option 'evicton_policy'; did you mean 'eviction_policy'"):
+            kvcore.create_cache("radix", evicton_policy="lfu")
+        code, out, err = _main(capsys, "fuzz", "--backend", "radix", "--ops", "10",
+                               "--backend-opt", "enable_kv_event=true")
+        line = _one_line(err)
+        assert code == EXIT_USAGE and out == "" and "did you mean 'enable_kv_events'?" in line, line
+        assert "no small configuration" not in line  # the option is wrong, not the pool sizes
+
+
 # ------------------------------------------------------------------ issue 26: a debuggable CLI
 BUGGY = '''
 import kvcore

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kvcore.components import TreeComponent, get_component
+from kvcore.config import did_you_mean
 from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools import ReqToTokenPool, TokenAllocator
 from kvcore.tiers import TieredCacheConfig
@@ -83,13 +84,25 @@ class UnifiedConfig(TieredCacheConfig):
             offered = sorted(
                 f for n in self.components if (m := get_component(n).options) is not None for f in m.model_fields
             )
-            bad = ", ".join(repr(k) for k in sorted(extra))
+            bad = ", ".join(repr(k) + self._hint(k, offered) for k in sorted(extra))
             raise ValueError(
                 f"unknown option(s) {bad} for components {self.components!r}; their own options are "
                 f"{', '.join(offered) or 'none'} (add the component that takes an option to `components`)"
             )
         self._component_options = taken
         return self
+
+    @classmethod
+    def _hint(cls, key: str, offered: list[str]) -> str:
+        """Which registered component takes ``key``, or the option nearest a misspelt one."""
+        from kvcore.components import available_components
+
+        owners = [n for n, spec in available_components().items()
+                  if spec.options is not None and key in spec.options.model_fields]
+        if owners:
+            return f" (an option of component {owners[0]!r})"
+        near = did_you_mean(key, [*offered, *cls.model_fields])
+        return f" ({near.removeprefix('; ')})" if near else ""
 
     def component_options(self, name: str) -> Any:
         """The validated options instance of component ``name`` (None if it takes none)."""

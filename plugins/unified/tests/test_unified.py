@@ -159,3 +159,11 @@ def test_dec_swa_lock_only_twice_is_refused_with_or_without_the_lock(components)
     cache.sanity_check()
     InvariantChecker(cache).check([])
 
+
+def test_an_unknown_option_names_its_component_or_the_nearest_option():
+    with pytest.raises(kvcore.ConfigError, match=r"'sliding_window_size' \(an option of component 'swa'\)"):
+        kvcore.create_cache("unified", sliding_window_size=8)
+    with pytest.raises(kvcore.ConfigError, match=r"'sliding_windw_size' \(did you mean 'sliding_window_size'\?\)"):
+        kvcore.create_cache("unified", components=("full", "swa"), sliding_windw_size=8)
+    with pytest.raises(kvcore.ConfigError, match=r"'enable_kv_event' \(did you mean 'enable_kv_events'\?\)"):
+        kvcore.create_cache("unified", enable_kv_event=True)
