@@ -41,6 +41,27 @@ class PoolReport:
         )
 
 
+def _imbalance(report: PoolReport, node_held: int, free_slots: int) -> str:
+    """Which side of ``report`` is over and by how much, and the count that disagrees with the slots."""
+    r = report
+    parts = r.available + r.evictable + r.protected + r.session_held + r.uncached
+    diff = parts - r.total
+    out = (f"available + evictable + protected + session_held + uncached = {r.available} + {r.evictable} + "
+           f"{r.protected} + {r.session_held} + {r.uncached} = {parts}, {abs(diff)} "
+           f"{'more' if diff > 0 else 'fewer'} than total={r.total}")
+    # Every slot was found free or owned exactly once, so one of the reported counts is off.
+    cached = r.evictable + r.protected
+    if cached != node_held:
+        out += (f"; the cache reports {cached} cached token(s) (evictable + protected) but its nodes hold "
+                f"{node_held} slot(s): its size counters are {abs(cached - node_held)} too "
+                f"{'high' if cached > node_held else 'low'}")
+    elif r.available != free_slots:
+        off = r.available - free_slots
+        out += (f"; the allocator reports available={r.available} but its free list holds {free_slots} slot(s): "
+                f"available_size() is {abs(off)} too {'high' if off > 0 else 'low'}")
+    return f"{out}; {r}"
+
+
 def _owner_name(owner: Any) -> str:
     rid = getattr(owner, "rid", None)
     if rid is not None:
@@ -212,6 +233,7 @@ class InvariantChecker:
         free = alloc.free_slots()
         free = free.cpu() if free.dtype == torch.int64 else free.to(torch.int64).cpu()
         outside(free, "is in the free list")
+        n_free = int(free.numel())
         for i in range(0, free.numel(), _CHUNK):
             c = free[i : i + _CHUNK]
             if page > 1:
@@ -294,7 +316,7 @@ class InvariantChecker:
             )
         del cnt
         if not report.balanced:
-            raise InvariantViolation(f"[{pool.name}] pool does not balance: {report}")
+            raise InvariantViolation(f"[{pool.name}] pool does not balance: {_imbalance(report, node_held, n_free)}")
         claimed = alloc.claimed_slots() if isinstance(alloc, TokenToKVPoolAllocator) else None
         if claimed is not None and claimed.numel():
             # A slot a tree claimed (strict mode) must still be one its nodes hold.

@@ -192,3 +192,22 @@ def test_padding_and_outside_slots_are_named(chunk):
     row[5] = 1000
     with pytest.raises(InvariantViolation, match="slot 1000 is owned by request 'victim' but lies outside the pool"):
         InvariantChecker(cache).check([req])
+
+
+def test_an_unbalanced_pool_says_which_side_is_over_and_by_how_much(monkeypatch):
+    # Old: "pool does not balance: [full] total=... available=..." left the sum to the reader.
+    cache, live = _tree_cache()
+    (report,) = InvariantChecker(cache).check(live)
+    real = cache.evictable_size()
+    monkeypatch.setattr(cache, "evictable_size", lambda: real + 42)
+    with pytest.raises(InvariantViolation, match=r"pool does not balance: .* = \d+, 42 more than total=128; "
+                                                 r"the cache reports \d+ cached token\(s\) .* its size counters are "
+                                                 r"42 too high"):
+        InvariantChecker(cache).check(live)
+    monkeypatch.setattr(cache, "evictable_size", lambda: real)
+    alloc = cache.token_to_kv_pool_allocator
+    avail = alloc.available_size()
+    monkeypatch.setattr(alloc, "available_size", lambda: avail - 5)
+    with pytest.raises(InvariantViolation, match=r"5 fewer than total=128; the allocator reports available=\d+ but "
+                                                 r"its free list holds \d+ slot\(s\): available_size\(\) is 5 too low"):
+        InvariantChecker(cache).check(live)
