@@ -23,14 +23,14 @@ is a miss before vLLM schedules anything, and vLLM computes the block itself.
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from vllm.v1.kv_offload.base import (
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found,unused-ignore]
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -41,10 +41,9 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found,unused-ignore]
 
 from kvcore.stores import FRAME_OVERHEAD, KVStore
-
 from kvcore_vllm.books import HostBooks
 from kvcore_vllm.region import HostRegion
 
@@ -79,6 +78,8 @@ class ManagerCounters:
     store_blocks_dropped: int = 0
     blocks_loaded: int = 0
     blocks_stored: int = 0
+    store_bytes_found: int = 0
+    store_read_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -124,7 +125,6 @@ class KvcoreOffloadingManager(OffloadingManager):
         self._fetching: set[bytes] = set()
         self._fetches: list[_Fetch] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
 
     @property
     def region(self) -> HostRegion:
@@ -194,14 +194,18 @@ class KvcoreOffloadingManager(OffloadingManager):
         """The background read: payloads, None for a miss.  Never raises (the store answers misses)."""
         store = self.store
         assert store is not None
-        if self.verify_values:
-            return list(store.batch_get(names))
-        # Test-only: the payload after the frame header, its checksum unchecked.
+        t0 = time.perf_counter()
         try:
-            raw = store._get(names)
-        except Exception:  # the failure rule: an unreachable store is a miss
-            return [None] * len(names)
-        return [None if d is None else memoryview(d)[FRAME_OVERHEAD:] for d in raw]
+            if self.verify_values:
+                return list(store.batch_get(names))
+            # Test-only: the payload after the frame header, its checksum unchecked.
+            try:
+                raw = store._get(names)
+            except Exception:  # the failure rule: an unreachable store is a miss
+                return [None] * len(names)
+            return [None if d is None else memoryview(d)[FRAME_OVERHEAD:] for d in raw]
+        finally:
+            self.counters.store_read_s += time.perf_counter() - t0
 
     def _drain(self) -> None:
         """Install the reads that are back: checked values into host slots, the rest are misses."""
@@ -242,6 +246,7 @@ class KvcoreOffloadingManager(OffloadingManager):
                 rows[slot] = np.frombuffer(payload, dtype=np.uint8)
             self.books.commit(keys)
             self.counters.store_blocks_found += len(keys)
+            self.counters.store_bytes_found += len(keys) * row
 
     # -- loads ------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ SPEC_NAME = "KvcoreOffloadingSpec"
 
 
 def register() -> None:
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # type: ignore[import-not-found,unused-ignore]
 
     if SPEC_NAME not in OffloadingSpecFactory._registry:
         OffloadingSpecFactory.register_spec(SPEC_NAME, "kvcore_vllm.spec", "KvcoreOffloadingSpec")

@@ -46,7 +46,7 @@ def tiny_llama(path: str | os.PathLike[str], seed: int = 0, layers: int = 2, hid
                kv_heads: int = 1, vocab: int = 512, max_len: int = 2048) -> Path:
     """A random-weight Llama saved with ``save_pretrained`` (float32); two seeds are two different models."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # type: ignore[import-not-found,unused-ignore]
 
     out = Path(path)
     if (out / "config.json").exists():
@@ -88,7 +88,7 @@ def _manager_and_worker(llm: Any) -> tuple[Any, Any]:
         manager = conn.connector_scheduler.manager
     except AttributeError:
         return None, None
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group  # type: ignore[import-not-found,unused-ignore]
 
     worker = None
     if has_kv_transfer_group():
@@ -100,8 +100,8 @@ def _manager_and_worker(llm: Any) -> tuple[Any, Any]:
 def run_engine(model: str, kvcore: dict[str, Any] | None, prompts: list[list[int]], max_tokens: int = 8,
                sequential: bool = True) -> dict[str, Any]:
     """One engine: the prompts (one at a time when ``sequential``), then shut down completely."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found,unused-ignore]
+    from vllm.inputs import TokensPrompt  # type: ignore[import-not-found,unused-ignore]
 
     kwargs: dict[str, Any] = dict(
         model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK, enforce_eager=True,
@@ -134,12 +134,13 @@ def run_engine(model: str, kvcore: dict[str, Any] | None, prompts: list[list[int
     manager, worker = _manager_and_worker(llm)
     if worker is not None and hasattr(worker, "flush"):
         worker.flush()
-        result["worker"] = {"bytes_loaded": worker.bytes_loaded, "bytes_stored": worker.bytes_stored}
+        result["worker"] = {"bytes_loaded": worker.bytes_loaded, "bytes_stored": worker.bytes_stored,
+                            "load_s": worker.load_s, "store_s": worker.store_s}
     if manager is not None and hasattr(manager, "stats"):
         result["manager"] = manager.stats()
         from kvcore import InvariantChecker
 
-        InvariantChecker(manager.books).check()  # type: ignore[arg-type]
+        InvariantChecker(manager.books).check()  # type: ignore[arg-type,unused-ignore]
         result["invariants"] = "ok"
     shutdown(llm)
     return result
@@ -147,8 +148,8 @@ def run_engine(model: str, kvcore: dict[str, Any] | None, prompts: list[list[int
 
 def shutdown(llm: Any) -> None:
     """Shut an engine and vLLM's connector agent (which outlives ``del llm``) down."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown  # type: ignore[import-not-found,unused-ignore]
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # type: ignore[import-not-found,unused-ignore]
 
     try:
         llm.llm_engine.engine_core.shutdown()

@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
-from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker  # type: ignore[import-not-found,unused-ignore]
+from vllm.v1.kv_offload.config import OffloadingConfig  # type: ignore[import-not-found,unused-ignore]
 
 from kvcore.stores import KVStore, StoreNamespace, open_store
-
 from kvcore_vllm.books import HostBooks
 from kvcore_vllm.config import KvcoreVllmConfig, parse_extra_config
 from kvcore_vllm.manager import KvcoreOffloadingManager
@@ -32,7 +31,7 @@ class NotServed(ValueError):
 def block_hash_seed_digest() -> str:
     """A digest of vLLM's NONE_HASH: it names the block-hash algorithm and seed, so engines whose
     block hashes cannot agree never share a namespace."""
-    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core import kv_cache_utils  # type: ignore[import-not-found,unused-ignore]
 
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
     if none_hash is None:

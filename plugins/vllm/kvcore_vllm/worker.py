@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from vllm.v1.kv_offload.base import (
+from vllm.v1.kv_offload.base import (  # type: ignore[import-not-found,unused-ignore]
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -26,7 +26,6 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvcore.stores import KVStore
-
 from kvcore_vllm.manager import KvcoreLoadStoreSpec
 from kvcore_vllm.region import HostRegion
 
@@ -60,6 +59,8 @@ class KvcoreOffloadingWorker(OffloadingWorker):
         self._writes: list[Future[list[bool]]] = []
         self.bytes_loaded = 0
         self.bytes_stored = 0
+        self.load_s = 0.0
+        self.store_s = 0.0
 
     @staticmethod
     def _index(ids: object) -> torch.Tensor:
@@ -79,13 +80,15 @@ class KvcoreOffloadingWorker(OffloadingWorker):
         size = n * self.region.row_bytes
         if n and dst_spec.store_keys and self.store is not None:
             rows = host.index_select(0, slots)  # a copy: the slots may be reused before the write ends
-            payloads = [memoryview(rows[i].numpy()) for i in range(n)]
+            payloads = [memoryview(rows[i].numpy().data) for i in range(n)]
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcore-vllm-write")
             self._writes = [w for w in self._writes if not w.done()]
             self._writes.append(self._writer.submit(self.store.batch_set, dst_spec.store_keys[:n], payloads))
         self.bytes_stored += size
-        self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        self.store_s += dt
+        self._finished.append(TransferResult(job_id, True, size, dt))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -101,7 +104,9 @@ class KvcoreOffloadingWorker(OffloadingWorker):
                 tensor.index_copy_(0, blocks, rows[:, lo:hi].view(tensor.dtype))
         size = n * self.region.row_bytes
         self.bytes_loaded += size
-        self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        self.load_s += dt
+        self._finished.append(TransferResult(job_id, True, size, dt))
         return True
 
     def get_finished(self) -> list[TransferResult]:

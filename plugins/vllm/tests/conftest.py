@@ -18,7 +18,6 @@ collect_ignore_glob = [] if importlib.util.find_spec("vllm") is not None else ["
 
 if importlib.util.find_spec("vllm") is not None:
     from kvcore_redis.fixtures import redis_server  # noqa: F401  (a pytest fixture)
-
     from kvcore_vllm.runs import engine_env, run_engine, shared_prefix_prompts, tiny_llama
 
     # In-process engines in this pytest process: vLLM reads these when an engine starts.

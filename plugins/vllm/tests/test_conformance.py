@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from kvcore_redis.servers import RedisServer
+from kvcore_vllm.books import HostBooks
+from kvcore_vllm.manager import KvcoreOffloadingManager
+from kvcore_vllm.region import HostRegion
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
 from kvcore import InvariantChecker
 from kvcore.stores import KVStore, StoreNamespace, open_store
 from kvcore.testing.offload_kit import LookupAnswer, OffloadManagerConformance
-from kvcore_redis.servers import RedisServer
-from kvcore_vllm.books import HostBooks
-from kvcore_vllm.manager import KvcoreOffloadingManager
-from kvcore_vllm.region import HostRegion
 
 ROW = 256
 _ANSWER: dict[LookupResult, LookupAnswer] = {LookupResult.HIT: "hit", LookupResult.HIT_PENDING: "pending",

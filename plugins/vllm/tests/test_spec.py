@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvcore_vllm.config import parse_extra_config
+from kvcore_vllm.plugin import SPEC_NAME, register
+from kvcore_vllm.spec import KvcoreOffloadingSpec, NotServed
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -15,10 +18,6 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-from kvcore_vllm.config import parse_extra_config
-from kvcore_vllm.plugin import SPEC_NAME, register
-from kvcore_vllm.spec import KvcoreOffloadingSpec, NotServed
 
 
 def offloading_config(groups: int = 1, tp: int = 1, blocks_per_chunk: int = 1, model: str = "tiny",
