@@ -13,8 +13,8 @@ __all__ = ["ModelKind", "TARGETS", "Target", "SUPPORTED_SGLANG"]
 
 ModelKind = Literal["full", "hybrid-swa", "hybrid-ssm"]
 
-# SGLang versions with a contract module here (kvcore_sglang/v<major>_<minor>_<patch>.py).
-SUPPORTED_SGLANG = ("0.5.19",)
+# SGLang versions with a contract module here (kvcore_sglang/v<major>_<minor>_<patch>).
+SUPPORTED_SGLANG = ("0.5.19", "0.5.23")
 
 
 class Target(BaseModel):
