@@ -122,7 +122,8 @@ class KVStore(ABC):
         """The framed value under each key in any buffer, None where absent (default: ``_get``).
 
         A store that reads into buffers of its own (a socket's ``recv_into``) answers those; the
-        base class checks them in place and never writes to them."""
+        base class checks them in place and never writes to them.  ``batch_get_views`` hands views
+        of them to the caller, so nothing may write to or reuse them afterwards."""
         return self._get(keys)
 
     def _get_into(self, keys: list[str], targets: list[memoryview]) -> list[tuple[bytes, int] | None]:

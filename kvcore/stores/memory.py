@@ -3,6 +3,10 @@
 ``memory://`` is private to the object; ``memory://name`` is shared by every
 store opened with that name in this process (several caches of one process
 sharing one store, as engines share a Redis).
+
+``batch_get_views`` answers views of the stored frames themselves (immutable
+``bytes``: an overwrite stores a new object, so a view never changes under its
+holder); ``batch_get_into`` copies each payload once, into the caller's buffer.
 """
 
 from __future__ import annotations
