@@ -280,7 +280,7 @@ class World:
             # A hybrid model's tree answers per pool (its pool_state holds them); SGLang's raise here.
             "evictable": None if self.is_hybrid_swa or self.is_hybrid_ssm else cache.evictable_size(),
             "protected": None if self.is_hybrid_swa or self.is_hybrid_ssm else cache.protected_size(),
-            "total": None if cache.is_chunk_cache() else full_total(cache),
+            "total": None if cache.is_chunk_cache() else cache.total_size(),
             "tree": None if cache.is_chunk_cache() else self.dump_tree(),
             "reqs": {rid: self.req_state(r) for rid, r in sorted(self.reqs.items())},
             "events": [repr(e) for e in cache.take_events()],
@@ -375,20 +375,23 @@ class SWAWorld(World):
         req.swa_prefix_lock_released = True
 
     def evict(self, n: int, swa_n: int = 0) -> Any:
-        """Both pools' gain and the window count.
+        """The eviction's answer (both counts) and the full pool's gain.
 
-        Known difference: SGLang's window phase deletes the tombstone leaves a deleted
-        leaf uncovers without counting them in ``num_tokens_evicted`` (its full phase
-        counts them); kvcore-swa reports the full pool's gain.  So the answer compared
-        is the gain, and :attr:`undercounts` counts SGLang's short reports.
+        SGLang's ``SWARadixCache`` deletes in its window phase the tombstone leaves a deleted
+        leaf uncovers without counting them in ``num_tokens_evicted`` (its full phase counts
+        them): kvcore-swa answers the same count, so the answer is compared as it is, beside
+        the gain; :attr:`undercounts` counts the answers short of the gain.  Its
+        ``UnifiedRadixCache`` (no short count seen) is compared by the gain and its count.
         """
         before = self.alloc.full_available_size()
         done = self.cache.evict(EvictParams(num_tokens=n, swa_num_tokens=swa_n))
         gain = self.alloc.full_available_size() - before
         if done.num_tokens_evicted != gain:
-            assert not isinstance(self.cache, KvcoreTreeCache), (done, gain)
             assert done.num_tokens_evicted < gain, (done, gain)
             self.undercounts = getattr(self, "undercounts", 0) + 1
+        if self.cache_kind == "swa":
+            return done.num_tokens_evicted, done.swa_num_tokens_evicted, gain
+        assert not isinstance(self.cache, KvcoreTreeCache) or done.num_tokens_evicted == gain, (done, gain)
         return gain, done.swa_num_tokens_evicted
 
     def req_state(self, r: Req) -> tuple:
@@ -534,18 +537,25 @@ class MambaWorld(World):
         kv.mamba_next_track_idx = self.r2t.get_mamba_ping_pong_other_idx(kv.mamba_next_track_idx)
         return slot
 
-    def finish(self, rid: str, is_insert: bool = True) -> None:
+    def finish(self, rid: str, is_insert: bool = True) -> Any:
         req = self.reqs[rid]
         admitted = rid in self.admitted
         self.admitted.discard(rid)
         if req.kv.holds_kv:
             super().finish(rid, is_insert)
-            return
+            return self.released(req)
         self.reqs.pop(rid)
         if admitted:
             self.cache.dec_lock_ref(req.last_node)
         # A state slot taken by a match before any KV: SGLang's release gives it back.
         release_kv_cache(req, self.cache, is_insert=is_insert)
+        return self.released(req)
+
+    @staticmethod
+    def released(req: Req) -> tuple:
+        """What a released request's record still holds (SGLang leaves a state slot it gave its tree there)."""
+        kv = req.kv
+        return (kv.holds_kv, kv.is_kv_released, None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx))
 
     def retract(self, rid: str, remaining: int) -> None:
         super().retract(rid, remaining)
@@ -648,12 +658,6 @@ def mamba_state(node: Any) -> tuple:
         return full.value, full.lock_ref, state.lock_ref, state.value
     lock = node.full_lock_ref if hasattr(node, "full_lock_ref") else node.lock_ref
     return node.value, lock, node.mamba_lock_ref, node.mamba_value
-
-
-def full_total(cache: Any) -> int:
-    total = cache.total_size()
-    # SGLang's UnifiedRadixCache answers (full, swa) tokens.
-    return total[0] if isinstance(total, tuple) else total
 
 
 def window_state(node: Any) -> tuple | None:

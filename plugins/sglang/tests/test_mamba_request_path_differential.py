@@ -10,7 +10,8 @@ retract, explicit two-pool eviction and eviction under memory pressure (``alloc_
 evicting states, ``_alloc_mamba_slot``).  The forward runs SGLang's own
 ``_collect_deferred_mamba_cow_and_clear`` and the copies and clears it asks for, then writes
 each request's state from its tokens.  After every step both must agree on every answer
-(matched slots, ``mamba_branching_seqlen``, evict counts), both free lists, the four sizes and
+(matched slots, ``mamba_branching_seqlen``, evict counts, what a released request's record still
+holds: SGLang leaves the state slot it gave its tree there), both free lists, the four sizes and
 ``total_size()``, the state tensors of every slot, every record (row, lengths, state slot,
 copy-on-write source, clear mark), the tree (slots, both locks, states) and the KV events;
 SGLang's pool checks (full and mamba) and the tree's sanity check must hold in both worlds,

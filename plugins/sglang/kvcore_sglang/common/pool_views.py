@@ -185,6 +185,8 @@ class SWAAllocatorView(_AllocatorCalls):
         # The tree owns full-side slots: their claims are the full pool's.
         self.ops = self.full.ops
         self.claims = self.full.claims
+        # Slots freed on the full side only (a tombstone's): SGLang's SWA tree counts some of them apart.
+        self.full_only_freed = 0
 
     @property
     def size_full(self) -> int:
@@ -215,6 +217,7 @@ class SWAAllocatorView(_AllocatorCalls):
 
     def free_full(self, free_index: torch.Tensor) -> None:
         self.sglang.free_full(self._unclaimed(free_index))
+        self.full_only_freed += int(free_index.numel())
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         self.sglang.free_swa(free_index)

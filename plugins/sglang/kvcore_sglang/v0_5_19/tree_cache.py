@@ -18,6 +18,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InsertParams,
+    InsertResult,
     MatchPrefixParams,
     MatchResult,
 )
@@ -44,6 +46,10 @@ class KvcoreTreeCache(BasePrefixCache):
 
     # How this cache's kvcore backend reads SGLang's Req.
     req_view: type[ReqView] = ReqView
+    # The InsertParams fields the kvcore backend's insert takes besides key and value (same names as
+    # SGLang's), and the InsertResult fields SGLang's counterpart answers besides prefix_len.
+    insert_fields: tuple[str, ...] = ()
+    insert_answers: tuple[str, ...] = ("last_device_node",)
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
         self.target = target
@@ -54,6 +60,10 @@ class KvcoreTreeCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = int(params.page_size)
         self.disable_finished_insert = bool(params.disable_finished_insert)
+        # SGLang's trees keep the device their values live on (the CPU for a tree without pools).
+        self.device = torch.device(getattr(kvcore_cache, "device", None) or "cpu")
+        if target.backend == "radix":
+            self.insert_fields = ("priority", "chunked")
         self._tables = RequestTables()
         self._events = EventTranslator(self.page_size) if params.enable_kv_cache_events else None
         if self._events is not None:
@@ -101,6 +111,38 @@ class KvcoreTreeCache(BasePrefixCache):
     def reset(self) -> None:
         self.kvcore_cache.reset()
         self._flush_events()
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """SGLang's ``insert``: cache ``params.value`` (KV slots) under ``params.key``; answers what was cached already.
+
+        As SGLang's trees do, the key is cut to whole pages and the value to the key, and a
+        disabled cache inserts nothing.  Who frees the caller's slots of the part cached already
+        is as in SGLang's counterpart: the caller for ``RadixCache``; the insert itself for the
+        SWA, Mamba and unified trees (past ``prev_prefix_len``).  ``value=None`` takes the token
+        ids as values (SGLang's fallback for a tree without pools): only a radix tree or a tree
+        built without an allocator accepts it.
+        """
+        if self.disable:
+            return InsertResult(prefix_len=0)
+        key = self._key(params.key)
+        n = len(key) - len(key) % self.page_size
+        if n < len(key):
+            key = kvcore.RadixKey(key.token_ids[:n], key.extra_key)
+        value = params.value
+        if value is None:
+            if self.token_to_kv_pool_allocator is not None and self.target.backend != "radix":
+                raise ValueError(
+                    f"{self.target.name}: insert(InsertParams(value=None)) takes the token ids as KV slots, which "
+                    "only a tree without pools may do; pass the slots the key's KV is in as value")
+        else:
+            value = value[:n]
+        options = {name: getattr(params, name) for name in self.insert_fields}
+        if "priority" in options:
+            options["priority"] = int(options["priority"] or 0)
+        done = self.kvcore_cache.insert(key, value, **options)
+        self._flush_events()
+        answers = {name: getattr(done, name) for name in self.insert_answers}
+        return InsertResult(prefix_len=int(done.prefix_len), **answers)
 
     # -- request lifecycle (through the kvcore cache's hook relay, so extension plugins see them)
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int, **kwargs: Any) -> None:
@@ -193,6 +235,10 @@ class KvcoreSWATreeCache(_FullPoolSizes, KvcoreTreeCache):
     req_view: type[SWAReqView] = SWAReqView
     # SGLang's SWARadixCache reports full + window tokens to its eviction metrics.
     metrics_count_swa = True
+    insert_fields: tuple[str, ...] = ("prev_prefix_len", "swa_evicted_seqlen")
+    insert_answers: tuple[str, ...] = ()
+    # SGLang's SWARadixCache leaves out of num_tokens_evicted the tombstone leaves its window phase deletes.
+    uncounted_window_prunes = True
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any, **kw: Any):
         super().__init__(target, kvcore_cache, params, **kw)
@@ -204,12 +250,37 @@ class KvcoreSWATreeCache(_FullPoolSizes, KvcoreTreeCache):
     # -- eviction and locks
     def evict(self, params: EvictParams) -> EvictResult:
         start = time.perf_counter()
-        done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
-        self.update_eviction_metrics(
-            done.num_tokens_evicted + (done.swa_num_tokens_evicted if self.metrics_count_swa else 0), start)
+        if self.uncounted_window_prunes:
+            full, swa = self._evict_counted_as_sglang(params.num_tokens, params.swa_num_tokens)
+        else:
+            done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
+            full, swa = done.num_tokens_evicted, done.swa_num_tokens_evicted
+        self.update_eviction_metrics(full + (swa if self.metrics_count_swa else 0), start)
         self._flush_events()
-        return EvictResult(num_tokens_evicted=done.num_tokens_evicted,
-                           swa_num_tokens_evicted=done.swa_num_tokens_evicted)
+        return EvictResult(num_tokens_evicted=full, swa_num_tokens_evicted=swa)
+
+    def _evict_counted_as_sglang(self, num_tokens: int, swa_num_tokens: int) -> tuple[int, int]:
+        """kvcore-swa's eviction, its full count as SGLang's ``SWARadixCache`` reports it.
+
+        Both trees evict the same nodes: full leaves first, then the window phase.  SGLang's window
+        phase frees the tombstone leaves a deleted leaf uncovers without counting them, where
+        kvcore's count is the full pool's gain (what kvcore's own ``evict`` answers).  The two
+        phases run as two kvcore calls (the second one's window target less what the first freed,
+        so the same nodes go in the same order), and the second one's tombstone frees (the full
+        side only, ``free_full``) are taken off its count.
+        """
+        tree = self.kvcore_cache
+        view = tree.token_to_kv_pool_allocator
+        full = swa = 0
+        if num_tokens > 0 or swa_num_tokens == 0:
+            done = tree.evict(num_tokens)
+            full, swa = done.num_tokens_evicted, done.swa_num_tokens_evicted
+        if swa < swa_num_tokens:
+            pruned_before = view.full_only_freed
+            done = tree.evict(0, swa_num_tokens=swa_num_tokens - swa)
+            full += done.num_tokens_evicted - (view.full_only_freed - pruned_before)
+            swa += done.swa_num_tokens_evicted
+        return full, swa
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         # SGLang's SWARadixCache reports no delta, only where the window lock stopped.
@@ -257,6 +328,8 @@ class _UnifiedAnswers:
 
     kvcore_cache: Any
     disable: bool
+    insert_fields: tuple[str, ...] = ("prev_prefix_len", "swa_evicted_seqlen", "chunked", "priority")
+    insert_answers: tuple[str, ...] = ("last_device_node",)
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any):
         super().__init__(target, kvcore_cache, params, chunk_when_disabled=True)  # type: ignore[call-arg]
@@ -270,6 +343,10 @@ class _UnifiedAnswers:
 
 class KvcoreUnifiedTreeCache(_UnifiedAnswers, KvcoreTreeCache):
     """SGLang 0.5.19's ``UnifiedRadixCache`` with its one component full (a full-attention model)."""
+
+    def total_size(self) -> Any:
+        # SGLang's unified tree answers (full tokens, tokens of the other components): it has none here.
+        return int(self.kvcore_cache.total_size()), 0
 
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
         # SGLang's unified tree core aggregates no delta here ("no caller uses it yet").
@@ -290,6 +367,8 @@ class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
 
     req_view = UnifiedSWAReqView
     metrics_count_swa = False
+    # SGLang's UnifiedRadixCache counts what its eviction frees of the full pool (no short count seen).
+    uncounted_window_prunes = False
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         if not self.disable and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
@@ -322,8 +401,25 @@ class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
     fields, read and written by the kvcore tree through :class:`MambaStateView`.
     """
 
+    insert_fields: tuple[str, ...] = ("mamba_value", "prev_prefix_len", "chunked", "priority")
+    insert_answers: tuple[str, ...] = ("mamba_exist",)
+
     def supports_mamba(self) -> bool:
         return True
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int, **kwargs: Any) -> None:
+        slot = req.kv.mamba_pool_idx
+        super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
+        if slot is not None and req.kv.mamba_pool_idx is None and self._tree_took(slot):
+            # SGLang's Mamba trees donate a finished request's state slot to the tree and leave it on the
+            # request's record (nothing frees it from there: the request is done; the tree owns the slot).
+            # kvcore's record drops it; SGLang's scheduler and its checks read SGLang's.
+            req.kv.mamba_pool_idx = slot
+
+    def _tree_took(self, slot: torch.Tensor) -> bool:
+        """Whether state slot ``slot`` is held now (not on SGLang's free list): the tree kept it."""
+        free = self.req_to_token_pool.mamba_allocator.free_slots
+        return not bool((free == slot.reshape(-1)[0]).any())
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
@@ -398,6 +494,9 @@ class KvcoreUnifiedMambaTreeCache(_UnifiedAnswers, KvcoreMambaTreeCache):
     -> (full tokens, states)``); the lock answers are SGLang's unified tree's
     (:class:`_UnifiedAnswers`).
     """
+
+    insert_fields = ("prev_prefix_len", "swa_evicted_seqlen", "mamba_value", "chunked", "priority")
+    insert_answers = ("last_device_node", "mamba_exist")
 
     def available_and_evictable_str(self) -> str:
         full = self.token_to_kv_pool_allocator.available_size()
