@@ -9,6 +9,7 @@ A version's contract module passes its version for the messages.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, cast
 
 from sglang.srt.mem_cache.allocator.paged import (  # type: ignore[import-not-found,unused-ignore]
@@ -31,8 +32,8 @@ from kvcore_sglang.common.pool_views import (
 )
 from kvcore_sglang.config import TARGETS, Target
 
-__all__ = ["STRICT_ENV", "UnsupportedContext", "build_kvcore", "mamba_options", "strict_slots", "swa_options",
-           "targets_for", "tree_options"]
+__all__ = ["STRICT_ENV", "UnsupportedContext", "build_kvcore", "mamba_options", "model_kind", "shared_refusals",
+           "strict_slots", "swa_options", "targets_for", "tree_options"]
 
 
 class UnsupportedContext(kvcore.KvcoreError, ValueError):
@@ -61,6 +62,37 @@ def strict_slots() -> bool:
 def targets_for(kind: str) -> list[str]:
     """kvcore-sglang's own names that serve model kind ``kind``."""
     return [t.name for t in TARGETS if kind in t.serves]
+
+
+def model_kind(ctx: Any) -> str:
+    """The model kind of SGLang's ``TreeCacheBuildContext`` (``config.ModelKind``)."""
+    return "hybrid-ssm" if ctx.is_hybrid_ssm else "hybrid-swa" if ctx.is_hybrid_swa else "full"
+
+
+def shared_refusals(target: Target, ctx: Any, *, serves: tuple[str, ...] | None = None,
+                    served_by: Callable[[str], list[str]] = targets_for) -> list[str]:
+    """What no version serves for ``target`` in ``ctx``, one problem a line (empty: nothing refused here).
+
+    ``serves``: the model kinds ``target`` serves on the running SGLang (its ``Target.serves`` by
+    default); ``served_by(kind)``: the names to point a refused kind to.
+    """
+    params = ctx.params
+    kind = model_kind(ctx)
+    problems = []
+    if kind not in (target.serves if serves is None else serves):
+        others = served_by(kind)
+        instead = (f"use {' or '.join(others)}" if others else
+                   "no kvcore name serves it yet: leave --radix-cache-backend unset for SGLang's own tree")
+        problems.append(f"this is a {kind} model, which {target.name} does not serve ({instead})")
+    if ctx.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache is not supported by kvcore (drop it)")
+    if params.is_eagle:
+        problems.append("EAGLE speculative decoding keys the tree by token bigrams, which kvcore does not support")
+    if params.enable_session_radix_cache:
+        problems.append("--enable-session-radix-cache is not supported by kvcore")
+    if getattr(ctx, "is_dsa", False):
+        problems.append("DSA (DeepSeek sparse attention) pools are not supported by kvcore")
+    return problems
 
 
 def build_kvcore(target: Target, backend: str, params: Any, *, sglang_version: str, **options: Any) -> Any:

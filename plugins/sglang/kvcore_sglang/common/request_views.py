@@ -238,11 +238,14 @@ class _Owner:
 
     __slots__ = ("rid", "kv")
 
-    def __init__(self, req: Any):
+    def __init__(self, req: Any, record_view: type[KvRecordView] = KvRecordView):
         self.rid = req.rid
-        self.kv = KvRecordView(req.kv)
+        self.kv = record_view(req.kv)
 
 
-def owner_of(req: Any) -> Any:
-    """``req`` (SGLang's) as an owner for ``kvcore.InvariantChecker(cache.kvcore_cache).check(owners=...)``."""
-    return _Owner(req)
+def owner_of(req: Any, record_view: type[KvRecordView] = KvRecordView) -> Any:
+    """``req`` (SGLang's) as an owner for ``kvcore.InvariantChecker(cache.kvcore_cache).check(owners=...)``.
+
+    ``record_view``: how the running SGLang's record reads under kvcore's names.
+    """
+    return _Owner(req, record_view)

@@ -12,7 +12,14 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # type: ignore[impo
 
 import kvcore
 from kvcore.plugins import get_backend
-from kvcore_sglang.common.build import UnsupportedContext, build_kvcore, targets_for, tree_options
+from kvcore_sglang.common.build import (
+    UnsupportedContext,
+    build_kvcore,
+    model_kind,
+    shared_refusals,
+    targets_for,
+    tree_options,
+)
 from kvcore_sglang.config import Target
 from kvcore_sglang.v0_5_23.tree_cache import KvcoreChunkCache, KvcoreTreeCache
 from kvcore_sglang.v0_5_23.version import SGLANG_VERSION
@@ -32,44 +39,27 @@ _NOT_YET = {
 }
 
 
-def _kind(ctx: Any) -> str:
-    return "hybrid-ssm" if ctx.is_hybrid_ssm else "hybrid-swa" if ctx.is_hybrid_swa else "full"
-
-
 def _served_by(kind: str) -> list[str]:
     """The kvcore names that serve ``kind`` on SGLang 0.5.23."""
-    return [name for name in targets_for(kind)
-            if any(name == f"kvcore-{backend}" for backend, kinds in SERVED.items() if kind in kinds)]
+    return [name for name in targets_for(kind) if kind in SERVED.get(name.removeprefix("kvcore-"), ())]
 
 
 def _refuse(target: Target, ctx: Any) -> None:
     """One clear error for a context ``target`` cannot serve on SGLang 0.5.23, before anything is built."""
     params = ctx.params
-    name = target.name
-    kind = _kind(ctx)
     problems = []
     if target.backend in _NOT_YET:
-        others = _served_by(kind)
+        others = _served_by(model_kind(ctx))
         instead = f"use {' or '.join(others)}" if others else "leave --radix-cache-backend unset for SGLang's own tree"
         problems.append(f"{_NOT_YET[target.backend]} ({instead})")
-    elif kind not in target.serves or (target.backend in SERVED and kind not in SERVED[target.backend]):
-        others = _served_by(kind)
-        instead = (f"use {' or '.join(others)}" if others else
-                   "no kvcore name serves it on SGLang 0.5.23: leave --radix-cache-backend unset for SGLang's own tree")
-        problems.append(f"this is a {kind} model, which {name} does not serve ({instead})")
-    if ctx.enable_hierarchical_cache:
-        problems.append("--enable-hierarchical-cache is not supported by kvcore (drop it)")
-    if params.is_eagle:
-        problems.append("EAGLE speculative decoding keys the tree by token bigrams, which kvcore does not support")
-    if params.enable_session_radix_cache:
-        problems.append("--enable-session-radix-cache is not supported by kvcore")
+        problems += shared_refusals(target, ctx, serves=(model_kind(ctx),))
+    else:
+        problems += shared_refusals(target, ctx, serves=SERVED.get(target.backend, target.serves), served_by=_served_by)
     if params.eviction_policy_config:
         problems.append("eviction policy options (eviction_policy_config) are not supported by kvcore")
     if params.draft_swa_window or params.mtp_draft_device_pools or params.sidecar_draft_device_pools:
         problems.append("speculative draft pools (draft_swa_window, mtp/sidecar draft pools) are not supported by "
                         "kvcore")
-    if getattr(ctx, "is_dsa", False):
-        problems.append("DSA (DeepSeek sparse attention) pools are not supported by kvcore")
     alloc, r2t = params.token_to_kv_pool_allocator, params.req_to_token_pool
     if not problems and alloc is not None and type(alloc) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
         # SGLang 0.5.23's other allocators (SWA, page-interleaved, unified sub-pools, HiSparse) keep other free
@@ -79,7 +69,8 @@ def _refuse(target: Target, ctx: Any) -> None:
     if not problems and r2t is not None and type(r2t) is not ReqToTokenPool:
         problems.append(f"needs SGLang's ReqToTokenPool, got {type(r2t).__name__}")
     if problems:
-        raise UnsupportedContext(f"--radix-cache-backend {name} (SGLang {SGLANG_VERSION}): " + "; ".join(problems))
+        raise UnsupportedContext(f"--radix-cache-backend {target.name} (SGLang {SGLANG_VERSION}): "
+                                 + "; ".join(problems))
 
 
 def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:

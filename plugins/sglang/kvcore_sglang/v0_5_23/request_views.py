@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[
 
 from kvcore_sglang.common.fill_ids import FillIds, RequestTables
 from kvcore_sglang.common.request_views import KvRecordView, ReqView
+from kvcore_sglang.common.request_views import owner_of as common_owner_of
 
 __all__ = ["KvRecordView023", "KvcoreTreeLock", "ReqView023", "owner_of", "tree_lock"]
 
@@ -93,16 +94,6 @@ class ReqView023(ReqView):
         pass
 
 
-class _Owner:
-    """A running SGLang 0.5.23 request as :class:`kvcore.InvariantChecker` names and reads it."""
-
-    __slots__ = ("rid", "kv")
-
-    def __init__(self, req: Any):
-        self.rid = req.rid
-        self.kv = KvRecordView023(req.kv)
-
-
 def owner_of(req: Any) -> Any:
     """``req`` (SGLang's) as an owner for ``kvcore.InvariantChecker(cache.kvcore_cache).check(owners=...)``."""
-    return _Owner(req)
+    return common_owner_of(req, KvRecordView023)

@@ -18,7 +18,6 @@ SGLang 0.5.23's contract, where it differs from 0.5.19's:
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -26,8 +25,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-
     BasePrefixCache,
     DecLockRefParams,
     DecLockRefResult,
-    EvictParams,
-    EvictResult,
     IncLockRefResult,
     MatchPrefixParams,
     MatchResult,
@@ -37,7 +34,8 @@ from sglang.srt.mem_cache.common import coalesce_ranges  # type: ignore[import-n
 
 import kvcore
 from kvcore_sglang.common.build import UnsupportedContext
-from kvcore_sglang.common.fill_ids import FillIds, MatchedIds, RequestTables, namespace
+from kvcore_sglang.common.fill_ids import FillIds, MatchedIds, RequestTables
+from kvcore_sglang.common.tree_cache import KvcoreCacheCore
 from kvcore_sglang.config import Target
 from kvcore_sglang.v0_5_23.events import EventTranslator
 from kvcore_sglang.v0_5_23.request_views import KvRecordView023, ReqView023, tree_lock
@@ -57,7 +55,7 @@ class _NoTree:
         return "<no tree>"
 
 
-class KvcoreTreeCache(BasePrefixCache):
+class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
     """SGLang 0.5.23's ``BasePrefixCache`` answered by one kvcore tree backend (``kvcore_cache``) on SGLang's pools.
 
     ``req_to_token_pool`` and ``token_to_kv_pool_allocator`` are SGLang's own objects;
@@ -65,42 +63,17 @@ class KvcoreTreeCache(BasePrefixCache):
     """
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any):
-        self.target = target
-        self.kvcore_cache = kvcore_cache
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = int(params.page_size)
-        alloc = self.token_to_kv_pool_allocator
-        self.device = torch.device(alloc.device) if alloc is not None else torch.device("cpu")
+        super().__init__(target, kvcore_cache, params)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._tables = RequestTables()
         # SGLang's trees publish nothing while disabled, and record a clear when they build the tree.
         self._events = EventTranslator(params, enabled=bool(params.enable_kv_cache_events) and not self.disable)
         self._events.recorder.record_all_cleared()
-        if params.enable_metrics:
-            self.init_metrics_collector()
 
-    def __repr__(self) -> str:
-        return f"<KvcoreTreeCache {self.target.name} on kvcore {type(self.kvcore_cache).__name__}>"
-
-    # -- traits
-    @property
-    def disable(self) -> bool:
-        return bool(self.kvcore_cache.disable)
-
-    @property
-    def root_node(self) -> Any:
-        return self.kvcore_cache.root_node
-
+    # -- traits (disable, root_node: KvcoreCacheCore)
     def supports_prefix_sharing(self) -> bool:
         return not self.disable
 
     # -- lookups
-    def _key(self, key: Any) -> kvcore.RadixKey:
-        if key.is_bigram:
-            raise UnsupportedContext(f"{self.target.name}: EAGLE bigram keys are not supported by kvcore")
-        return kvcore.RadixKey(key.raw_token_ids(), namespace(key.extra_key, key.cache_salt))
-
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = self._key(params.key)
         found = self.kvcore_cache.match_prefix(key)
@@ -184,41 +157,13 @@ class KvcoreTreeCache(BasePrefixCache):
         self._tables.resumes.pop(req, None)
         self._tables.ids.pop(req, None)
 
-    # -- eviction and locks
-    def evict(self, params: EvictParams) -> EvictResult:
-        if self.disable:
-            return EvictResult()
-        start = time.perf_counter()
-        done = self.kvcore_cache.evict(params.num_tokens)
-        self.update_eviction_metrics(done.num_tokens_evicted, start)
-        return EvictResult(num_tokens_evicted=done.num_tokens_evicted)
-
-    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
-        # SGLang's delta is the change in evictable tokens; kvcore's the change in protected ones.
-        return IncLockRefResult(delta=-self.kvcore_cache.inc_lock_ref(node).delta)
-
-    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
-        return DecLockRefResult(delta=-self.kvcore_cache.dec_lock_ref(node).delta)
-
+    # -- SGLang's lock objects on the request (eviction, inc/dec_lock_ref and the sizes: KvcoreCacheCore)
     def lock(self, node: Any) -> TreeLock | None:
         return tree_lock(node, self.kvcore_cache.inc_lock_ref(node))
 
     def unlock(self, lock: TreeLock | None) -> None:
         if lock is not None:
             self.kvcore_cache.dec_lock_ref(lock.node, lock.kvcore)
-
-    # -- sizes
-    def evictable_size(self) -> int:
-        return int(self.kvcore_cache.evictable_size())
-
-    def protected_size(self) -> int:
-        return int(self.kvcore_cache.protected_size())
-
-    def total_size(self) -> Any:
-        return int(self.kvcore_cache.total_size())
-
-    def pretty_print(self) -> Any:
-        return self.kvcore_cache.pretty_print()
 
     def all_values_flatten(self) -> torch.Tensor:
         """Every slot the tree holds (SGLang's leak diagnosis reads it)."""
