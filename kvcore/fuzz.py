@@ -11,8 +11,15 @@ Bad inputs are mixed in at ``bad_rate``: each must raise a clean error
 snapshot of every pool, the row table and the cache sizes taken before it
 proves.  The invariant checker runs every ``check_every`` operations and at the end.
 
-A failure is reported as a :class:`FuzzFailure` (seed, operation number, what
-failed) with a one-line replay command.
+A failure is reported as a :class:`FuzzFailure` (seed, page size, operation
+number, what failed) with a one-line replay command.
+
+``kvcore fuzz`` without ``--page-size`` runs twice, at the backend's own page size
+and at :data:`FUZZ_PAGE_SIZE` (:func:`fuzz_page_sizes`), the operations split
+between the two (:func:`split_ops`), so that a page-alignment bug shows without
+making the run longer.  The options that tell a backend to accept bad input
+(``strict=false``, ``disable=true``) are refused: the fuzz would blame the backend
+for doing what it was told.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from kvcore.record import Req
 from kvcore.release import release_kv_cache
 from kvcore.session import StreamingSession
 
-__all__ = ["FuzzFailure", "FuzzResult", "run_fuzz", "replay_command", "fuzz_config"]
+__all__ = ["FUZZ_PAGE_SIZE", "FuzzFailure", "FuzzResult", "fuzz_config", "fuzz_page_sizes", "replay_command",
+           "run_fuzz", "split_ops"]
 
 CLEAN_ERRORS = (TypeError, ValueError, RuntimeError, LookupError)
 
@@ -46,9 +54,12 @@ CLEAN_ERRORS = (TypeError, ValueError, RuntimeError, LookupError)
 class FuzzFailure(Exception):
     """A fuzz run found a bug: ``op`` is the 0-based operation number where it showed."""
 
-    def __init__(self, backend: str, seed: int, op: int, what: str, replay: str):
+    def __init__(self, backend: str, seed: int, op: int, what: str, replay: str, page_size: int | None = None):
         self.backend, self.seed, self.op, self.what, self.replay = backend, seed, op, what, replay
-        super().__init__(f"fuzz failure: backend {backend}, seed {seed}, operation {op}: {what}\nreplay: {replay}")
+        self.page_size = page_size
+        self.where = f"backend {backend}, seed {seed}, " + (
+            f"page size {page_size}, " if page_size is not None else "") + f"operation {op}"
+        super().__init__(f"fuzz failure: {self.where}: {what}\nreplay: {replay}")
 
 
 @dataclass
@@ -59,6 +70,28 @@ class FuzzResult:
     seconds: float
     counts: dict[str, int] = field(default_factory=dict)
     checks: int = 0
+    page_size: int = 1
+
+
+# The second page size of a default run: a paged tree's alignment bugs show at any page > 1; 16 is SGLang's
+# usual paged size and small enough for the fuzz's pools.
+FUZZ_PAGE_SIZE = 16
+
+
+def fuzz_page_sizes(backend: str, page_size: int | None = None) -> list[int]:
+    """The page sizes a fuzz runs at: ``page_size`` when given, else the backend's own and FUZZ_PAGE_SIZE."""
+    if page_size is not None:
+        return [page_size]
+    from kvcore.plugins import get_backend
+
+    own = int(get_backend(backend).config.model_fields["page_size"].default or 1)
+    return [own] if own == FUZZ_PAGE_SIZE else [own, FUZZ_PAGE_SIZE]
+
+
+def split_ops(ops: int, parts: int) -> list[int]:
+    """``ops`` operations shared by ``parts`` runs (the first ones take the remainder): the total stays ``ops``."""
+    share, extra = divmod(ops, parts)
+    return [share + (1 if i < extra else 0) for i in range(parts)]
 
 
 def replay_command(backend: str, seed: int, op: int, page_size: int | None, bad_rate: float,
@@ -78,6 +111,13 @@ def replay_command(backend: str, seed: int, op: int, page_size: int | None, bad_
 FUZZ_MANAGED = {"size": None, "page_size": "--page-size", "max_num_reqs": None, "max_context_len": None,
                 "sliding_window_size": None, "swa_size": None}
 
+# Options that tell a backend to accept what the fuzz feeds it as bad input: with them a clean refusal is
+# no longer the backend's promise, so the fuzz would report the backend for keeping its word.
+FUZZ_REFUSED = {
+    "strict": (False, "strict=false tells the backend to skip the slot checks that refuse bad inserts"),
+    "disable": (True, "disable=true tells the tree to take no insert, so it never looks at a bad one's slots"),
+}
+
 
 def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Small pools (so that eviction, retraction and session releases happen often) the backend accepts.
@@ -93,6 +133,10 @@ def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, 
     model = get_backend(backend).config
     fields = model.model_fields
     extra = dict(backend_options or {})
+    for key, (value, why) in FUZZ_REFUSED.items():
+        if key in extra and extra[key] is value:
+            raise OptionError(f"--backend-opt {key}={json.dumps(value)}: the fuzz checks that bad input is refused "
+                              f"and {why}; fuzz without it")
     for key in extra:
         if key in FUZZ_MANAGED:
             flag = FUZZ_MANAGED[key]
@@ -535,7 +579,8 @@ def run_fuzz(
     backend_options: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> FuzzResult:
-    """Run ``ops`` seeded random operations on ``backend``; raises FuzzFailure on the first bug."""
+    """Run ``ops`` seeded random operations on ``backend`` at one page size (``page_size``, default the
+    backend's); raises FuzzFailure on the first bug."""
     if ops < 0 or check_every < 1 or not 0.0 <= bad_rate <= 1.0:
         raise ValueError(f"need ops >= 0, check_every >= 1 and 0 <= bad_rate <= 1 (got {ops}, {check_every}, "
                          f"{bad_rate})")
@@ -566,6 +611,7 @@ def run_fuzz(
         checks += 1
     except (AssertionError, InvariantViolation, *CLEAN_ERRORS) as exc:
         what = f"{type(exc).__name__}: {exc}"
-        replay = replay_command(backend, seed, i, page_size, bad_rate, backend_options)
-        raise FuzzFailure(backend, seed, i, what, replay) from exc
-    return FuzzResult(backend, seed, ops, time.perf_counter() - t0, counts, checks)
+        # The replay names the page size: without --page-size the command would run at two.
+        replay = replay_command(backend, seed, i, d.ps, bad_rate, backend_options)
+        raise FuzzFailure(backend, seed, i, what, replay, d.ps) from exc
+    return FuzzResult(backend, seed, ops, time.perf_counter() - t0, counts, checks, d.ps)
