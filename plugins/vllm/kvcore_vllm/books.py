@@ -58,7 +58,7 @@ class HostBooks:
 
     page_size = 1
 
-    def __init__(self, num_blocks: int, eviction_policy: str = "lru") -> None:
+    def __init__(self, num_blocks: int, eviction_policy: str = "lru", events: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"the host tier needs at least one block, got num_blocks={num_blocks!r}")
         self.num_blocks = num_blocks
@@ -68,6 +68,8 @@ class HostBooks:
         self.req_to_token_pool = ReqToTokenPool(1, 1)
         self.entries: dict[bytes, HostEntry] = {}
         self._clock = itertools.count(1)
+        # Off when nobody drains them (vLLM without KV events), so they cannot pile up.
+        self.record_events = events
         self._events: list[BookEvent] = []
         self.evicted_blocks = 0
 
@@ -143,7 +145,7 @@ class HostBooks:
                 e.ready = True
                 e.pins -= 1
                 done.append(k)
-        if done:
+        if done and self.record_events:
             self._events.append(BookEvent(tuple(done), removed=False))
         return done
 
@@ -156,7 +158,8 @@ class HostBooks:
     def clear(self) -> None:
         """Forget every block (vLLM's reset_cache: it guarantees no transfer of the old ones completes)."""
         if self.entries:
-            self._events.append(BookEvent(tuple(k for k, e in self.entries.items() if e.ready), removed=True))
+            if self.record_events:
+                self._events.append(BookEvent(tuple(k for k, e in self.entries.items() if e.ready), removed=True))
             self.allocator.free(torch.tensor([e.slot for e in self.entries.values()], dtype=torch.int64))
             self.entries.clear()
 
@@ -182,7 +185,8 @@ class HostBooks:
         slots = [self.entries.pop(k).slot for k in keys]
         self.allocator.free(torch.tensor(slots, dtype=torch.int64))
         self.evicted_blocks += len(keys)
-        self._events.append(BookEvent(tuple(keys), removed=True))
+        if self.record_events:
+            self._events.append(BookEvent(tuple(keys), removed=True))
         return keys
 
     def evict(self, n: int) -> list[bytes]:

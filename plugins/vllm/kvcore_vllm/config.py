@@ -36,6 +36,9 @@ class KvcoreVllmConfig(BaseModel):
     write_to_store: bool = Field(True, description="write offloaded blocks to the store (False: read only)")
     max_fetch_blocks: int = Field(4096, ge=1, strict=True, description="blocks one background store read may ask "
                                   "for; lookups past it answer a miss for that step")
+    read_wait_ms: float = Field(20.0, ge=0, le=10_000, description="how long the scheduler waits, at the end of "
+                                "a step, for the store read it just started: a read back by then is loadable in the "
+                                "next step; a slower one is picked up later without blocking (0: never wait)")
     verify_values: bool = Field(True, description="check each value's length and checksum when it is read. "
                                 "False exists only for tests that prove loaded bytes reach the model; never use it "
                                 "in a deployment")

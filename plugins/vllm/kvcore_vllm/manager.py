@@ -10,7 +10,7 @@ result's ``success``, so a load vLLM has scheduled must succeed):
 - It is in the store: ``lookup`` answers ``RETRY`` for a block the host tier
   lacks, and queues it; at the end of the scheduler step the queued blocks of
   every request are read in one ``batch_get`` on a background thread (one round
-  trip, never one per block, never on the scheduler's thread).  When the read is
+  trip, never one per block); the scheduler waits for it at most ``read_wait_ms``.  When the read is
   back, each value whose frame holds (kvcore's length and checksum, checked by
   the store) and whose length is one block is copied into a host slot and
   becomes readable; the others are misses.  The request's next lookup answers
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,7 @@ class KvcoreOffloadingManager(OffloadingManager):
         *,
         write_to_store: bool = True,
         max_fetch_blocks: int = 4096,
+        read_wait_ms: float = 0.0,
         verify_values: bool = True,
         enable_events: bool = False,
     ) -> None:
@@ -118,6 +119,7 @@ class KvcoreOffloadingManager(OffloadingManager):
         self.store_key = store_key
         self.write_to_store = write_to_store
         self.max_fetch_blocks = max_fetch_blocks
+        self.read_wait_s = read_wait_ms / 1e3
         self.verify_values = verify_values
         self.enable_events = enable_events
         self.counters = ManagerCounters()
@@ -185,7 +187,13 @@ class KvcoreOffloadingManager(OffloadingManager):
         names = [self.store_key(k) for k in keys]
         self.counters.store_reads += 1
         self.counters.store_blocks_asked += len(keys)
-        self._fetches.append(_Fetch(keys, self._pool.submit(self._read, names)))
+        fetch = _Fetch(keys, self._pool.submit(self._read, names))
+        self._fetches.append(fetch)
+        if self.read_wait_s > 0:
+            # Waiting here releases the GIL to the read (the engine's busy loop would otherwise share it with the
+            # read thread in 5 ms slices); a read back in time is installed now and hits at the next step.
+            wait([fetch.future], timeout=self.read_wait_s)
+            self._drain()
 
     def has_pending_work(self) -> bool:
         return bool(self._want or self._fetches)
@@ -197,7 +205,9 @@ class KvcoreOffloadingManager(OffloadingManager):
         t0 = time.perf_counter()
         try:
             if self.verify_values:
-                return list(store.batch_get(names))
+                # Views of the frames where the store offers them: the one copy is into the host row.
+                get = getattr(store, "batch_get_views", None) or store.batch_get
+                return list(get(names))
             # Test-only: the payload after the frame header, its checksum unchecked.
             try:
                 raw = store._get(names)

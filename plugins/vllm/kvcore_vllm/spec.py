@@ -105,12 +105,14 @@ class KvcoreOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KvcoreOffloadingManager(
-                HostBooks(self.num_blocks, self.options.eviction_policy),
+                HostBooks(self.num_blocks, self.options.eviction_policy,
+                          events=self.kv_events_config.enable_kv_cache_events),
                 self._region,
                 self._open_store(),
                 self.store_key,
                 write_to_store=self.options.write_to_store,
                 max_fetch_blocks=self.options.max_fetch_blocks,
+                read_wait_ms=self.options.read_wait_ms,
                 verify_values=self.options.verify_values,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
             )

@@ -112,3 +112,29 @@ class TestManagerOnRedis(OffloadManagerConformance):
         with self.server.client() as c:
             c.flushall()
         return VllmManagerDriver(capacity, tmp_path, f"redis://{self.server.address}/0?timeout=0.2", self.server)
+
+
+def test_events_name_blocks_stored_and_evicted_when_vllm_asks_for_them(tmp_path: Path) -> None:
+    from kvcore.testing.offload_kit import block_keys
+
+    books = HostBooks(2, "lru", events=True)
+    m = KvcoreOffloadingManager(books, lambda: HostRegion(tmp_path / "r", 3, ROW), None, str, enable_events=True)
+    ctx = ReqContext(req_id="events")
+    a, b, c = (OffloadKey(k) for k in block_keys(3, "ev"))
+    for key in (a, b, c):
+        out = m.prepare_store([key], ctx)
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
+    events = [(e.removed, list(e.keys)) for e in m.take_events()]
+    assert events == [(False, [a]), (False, [b]), (True, [a]), (False, [c])]
+    assert list(m.take_events()) == []
+    InvariantChecker(books).check()  # type: ignore[arg-type]
+    m.shutdown()
+
+    quiet = HostBooks(2, "lru", events=False)
+    m = KvcoreOffloadingManager(quiet, lambda: HostRegion(tmp_path / "q", 3, ROW), None, str)
+    out = m.prepare_store([a], ctx)
+    assert out is not None
+    m.complete_store([a], ctx)
+    assert quiet.take_events() == [], "no events pile up when vLLM does not drain them"
+    m.shutdown()
