@@ -101,3 +101,52 @@ def test_the_kits_fuzz_test_passes_a_sound_backend():
         fuzz_ops = 500
 
     TestChunk().test_fuzz(page_size=1)
+
+
+def _kit_eviction_failure(name: str) -> str:
+    class TestIt(PrefixCacheConformance):
+        backend = name
+        supports_prefix_reuse = True
+
+    def build():
+        return kvcore.create_cache(name, size=64, page_size=1, max_num_reqs=8, max_context_len=64)
+
+    with pytest.raises((AssertionError, pytest.fail.Exception)) as err:
+        TestIt().test_evicted_node_is_detached_and_refuses_locks(build, 1)
+    return str(err.value)
+
+
+def test_the_kit_finds_an_evicted_node_that_keeps_its_parent(radix_class):
+    # Old: passed the kit and the fuzz; a lock on it then walked up a tree it had left.
+    from kvcore.tree import iter_subtree
+
+    base, names = radix_class
+
+    class Clinging(base):  # type: ignore[misc, valid-type]
+        def evict(self, num_tokens):
+            parents = {id(x): (x, x.parent) for x in iter_subtree(self.root_node)}
+            result = super().evict(num_tokens)
+            for x, parent in parents.values():
+                if x.parent is None and parent is not None:
+                    x.parent = parent  # the bug: the evicted node keeps its link
+            return result
+
+    _register("clinging", Clinging)
+    names.append("clinging")
+    assert "an evicted node keeps its parent link" in _kit_eviction_failure("clinging")
+
+
+def test_the_kit_finds_a_lock_taken_on_an_evicted_node(radix_class):
+    from kvcore.cache import LockResult
+
+    base, names = radix_class
+
+    class Lenient(base):  # type: ignore[misc, valid-type]
+        def inc_lock_ref(self, node):
+            if node.parent is None and node is not self.root_node:
+                return LockResult(0)  # the bug: an evicted node is "locked" without a word
+            return super().inc_lock_ref(node)
+
+    _register("lenient", Lenient)
+    names.append("lenient")
+    assert "DID NOT RAISE" in _kit_eviction_failure("lenient")

@@ -303,6 +303,31 @@ class PrefixCacheConformance:
         assert cache.token_to_kv_pool_allocator.available_size() == total
         check_invariants(cache)
 
+    def test_evicted_node_is_detached_and_refuses_locks(self, build: Callable[..., BasePrefixCache],
+                                                        page_size: int) -> None:
+        """An evicted node drops its ``parent`` link, and ``inc_lock_ref`` / ``dec_lock_ref`` on it are
+        refused (TypeError or ValueError) with nothing changed: a lock on a node the tree no longer holds
+        would protect slots that are free again."""
+        cache = build()
+        if not self.supports_prefix_reuse:
+            pytest.skip("no tree: nothing is ever evicted")
+        total = pool_total(cache)
+        key = [3] * page_size + list(range(200, 200 + 2 * page_size))
+        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        node = cache.match_prefix(key).last_device_node
+        assert node is not None and node is not cache.root_node
+        cache.evict(10**6)
+        assert cache.token_to_kv_pool_allocator.available_size() == total
+        assert getattr(node, "parent", None) is None, (
+            f"an evicted node keeps its parent link ({node!r}): set node.parent = None when evicting it"
+        )
+        before = snapshot(cache)
+        for call in (cache.inc_lock_ref, cache.dec_lock_ref):
+            with pytest.raises((TypeError, ValueError)):
+                call(node)
+            assert snapshot(cache) == before, f"{call.__name__} of an evicted node changed the cache"
+        check_invariants(cache)
+
     def test_evict_nothing(self, build: Callable[..., BasePrefixCache]) -> None:
         cache = build()
         assert cache.evict(0).num_tokens_evicted == 0

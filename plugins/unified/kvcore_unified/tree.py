@@ -886,6 +886,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if self.enable_kv_events:
             record_removed(self._events, x)
         x.value = None
+        # Detached: a lock or a resumed insert on it fails in path_to_root instead of pinning freed slots.
+        x.parent = None
         self.update_leaf(parent)
 
     def drop_value(self, x: UnifiedNode, trigger: TreeComponent, tracker: dict[str, int]) -> None:
