@@ -26,8 +26,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots  # type: ignore[import-not-found,unused-ignore]
 
 import kvcore
-from kvcore_sglang.common.build import UnsupportedContext
-from kvcore_sglang.common.fill_ids import NO_IDS, FillIds, MatchedIds, RequestTables, namespace
+from kvcore_sglang.common.fill_ids import NO_IDS, FillIds, MatchedIds
+from kvcore_sglang.common.tree_cache import KvcoreCacheCore
 from kvcore_sglang.config import Target
 from kvcore_sglang.v0_5_19.events import EventTranslator
 from kvcore_sglang.v0_5_19.request_views import ReqView, SWAReqView, UnifiedSWAReqView, fill_len, skip_ids
@@ -36,7 +36,7 @@ __all__ = ["KvcoreMambaTreeCache", "KvcoreSWATreeCache", "KvcoreTreeCache", "Kvc
            "KvcoreUnifiedSWATreeCache", "KvcoreUnifiedTreeCache"]
 
 
-class KvcoreTreeCache(BasePrefixCache):
+class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
     """SGLang 0.5.19's ``BasePrefixCache`` answered by one kvcore backend (``kvcore_cache``) on SGLang's pools.
 
     ``req_to_token_pool`` and ``token_to_kv_pool_allocator`` are SGLang's own
@@ -52,47 +52,22 @@ class KvcoreTreeCache(BasePrefixCache):
     insert_answers: tuple[str, ...] = ("last_device_node",)
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
-        self.target = target
+        super().__init__(target, kvcore_cache, params)
         # SGLang's UnifiedRadixCache, disabled, calls itself a chunk cache (its RadixCache does not).
         self._chunk_when_disabled = chunk_when_disabled
-        self.kvcore_cache = kvcore_cache
-        self.req_to_token_pool = params.req_to_token_pool
-        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = int(params.page_size)
         self.disable_finished_insert = bool(params.disable_finished_insert)
-        # SGLang's trees keep the device their values live on (the CPU for a tree without pools).
-        self.device = torch.device(getattr(kvcore_cache, "device", None) or "cpu")
         if target.backend == "radix":
             self.insert_fields = ("priority", "chunked")
-        self._tables = RequestTables()
         self._events = EventTranslator(self.page_size) if params.enable_kv_cache_events else None
         if self._events is not None:
             # SGLang's RadixCache records a clear when it builds its (empty) tree.
             self._events.recorder.record_all_cleared()
-        if params.enable_metrics:
-            self.init_metrics_collector()
 
-    def __repr__(self) -> str:
-        return f"<KvcoreTreeCache {self.target.name} on kvcore {type(self.kvcore_cache).__name__}>"
-
-    # -- traits
-    @property
-    def disable(self) -> bool:
-        return bool(self.kvcore_cache.disable)
-
-    @property
-    def root_node(self) -> Any:
-        return self.kvcore_cache.root_node
-
+    # -- traits (disable, root_node: KvcoreCacheCore)
     def is_chunk_cache(self) -> bool:
         return bool(self.kvcore_cache.is_chunk_cache()) or (self._chunk_when_disabled and self.disable)
 
-    # -- lookups
-    def _key(self, key: Any) -> kvcore.RadixKey:
-        if key.is_bigram:
-            raise UnsupportedContext(f"{self.target.name}: EAGLE bigram keys are not supported by kvcore")
-        return kvcore.RadixKey(key.raw_token_ids(), namespace(key.extra_key, key.cache_salt))
-
+    # -- lookups (the key: KvcoreCacheCore._key)
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key = self._key(params.key)
         found = self.kvcore_cache.match_prefix(key)
@@ -173,33 +148,7 @@ class KvcoreTreeCache(BasePrefixCache):
         self.kvcore_cache.hook.cache_unfinished_req(req=view, chunked=chunked)
         self._flush_events()
 
-    # -- eviction and locks
-    def evict(self, params: EvictParams) -> EvictResult:
-        start = time.perf_counter()
-        done = self.kvcore_cache.evict(params.num_tokens)
-        self.update_eviction_metrics(done.num_tokens_evicted, start)
-        self._flush_events()
-        return EvictResult(num_tokens_evicted=done.num_tokens_evicted)
-
-    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
-        # SGLang's delta is the change in evictable tokens; kvcore's the change in protected ones.
-        return IncLockRefResult(delta=-self.kvcore_cache.inc_lock_ref(node).delta)
-
-    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
-        return DecLockRefResult(delta=-self.kvcore_cache.dec_lock_ref(node).delta)
-
-    # -- sizes
-    def evictable_size(self) -> int:
-        return int(self.kvcore_cache.evictable_size())
-
-    def protected_size(self) -> int:
-        return int(self.kvcore_cache.protected_size())
-
-    def total_size(self) -> int:
-        return int(self.kvcore_cache.total_size())
-
-    def pretty_print(self) -> Any:
-        return self.kvcore_cache.pretty_print()
+    # -- eviction, locks and sizes: KvcoreCacheCore
 
     # -- KV events
     def take_events(self) -> list:
