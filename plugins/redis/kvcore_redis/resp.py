@@ -37,25 +37,35 @@ def _command(*args: bytes) -> bytes:
 class RawConnection:
     """One socket to one server, authenticated and on its database, that reads GET/MGET replies."""
 
-    def __init__(self, host: str, port: int, timeout: float, db: int = 0,
-                 username: str | None = None, password: str | None = None, frame_header: int = 0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+    def __init__(self, sock: socket.socket, frame_header: int = 0) -> None:
+        """Over a connected socket (``connect`` opens one); ``frame_header``: bytes of a value
+        ``get_into`` answers apart, the rest going into the caller's buffer."""
+        self.sock = sock
+        self._buf = bytearray(_LINE_BUFFER)
+        self._view = memoryview(self._buf)
+        self._pos = self._end = 0
+        self._header = frame_header
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float, db: int = 0, username: str | None = None,
+                password: str | None = None, frame_header: int = 0) -> RawConnection:
+        """A connection to ``host:port`` whose every wait ends after ``timeout`` seconds, authenticated
+        and on database ``db``."""
+        sock = socket.create_connection((host, port), timeout=timeout)
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._buf = bytearray(_LINE_BUFFER)
-            self._view = memoryview(self._buf)
-            self._pos = self._end = 0
-            self._header = frame_header
-            self._poll = select.poll()
-            self._poll.register(self.sock, select.POLLIN)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = cls(sock, frame_header)
             if password is not None:
                 auth = [b"AUTH"] + ([username.encode()] if username else []) + [password.encode()]
-                self._simple(_command(*auth))
+                conn._simple(_command(*auth))
             if db:
-                self._simple(_command(b"SELECT", str(db).encode()))
+                conn._simple(_command(b"SELECT", str(db).encode()))
         except BaseException:
-            self.sock.close()
+            sock.close()
             raise
+        return conn
 
     def idle_and_open(self) -> bool:
         """Whether the connection can take a request: nothing is waiting to be read on it.  A server

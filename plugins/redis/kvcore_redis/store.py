@@ -11,7 +11,8 @@ with ``cluster-require-full-coverage no`` so the live ones keep answering.
 
 Reads skip redis-py: :mod:`kvcore_redis.resp` sends ``MGET`` (a Cluster node: pipelined
 ``GET``) on a socket of its own per thread and reads each value straight into its
-destination, so ``batch_get_views`` costs one read off the socket and the CRC pass, and
+destination, so ``batch_get_views`` costs one read off the socket and the CRC pass (the
+views of one call share one block of memory: a view kept keeps its batch's block), and
 ``batch_get_into`` puts each payload into the caller's buffer with no copy in between.
 Writes, ``EXISTS``, ``SCAN`` and ``CLUSTER SLOTS`` go through redis-py.
 """
@@ -66,8 +67,8 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
 
 def _raw_pool(host: str, port: int, opts: RedisOptions, db: int = 0,
               username: str | None = None, password: str | None = None) -> RawPool:
-    return RawPool(lambda: RawConnection(host, port, opts.timeout, db, username, password,
-                                         frame_header=FRAME_OVERHEAD))
+    return RawPool(lambda: RawConnection.connect(host, port, opts.timeout, db, username, password,
+                                                 frame_header=FRAME_OVERHEAD))
 
 
 class _Node:

@@ -7,11 +7,16 @@ RESP uses as delimiters; each read API must give back exactly what was written.
 from __future__ import annotations
 
 import os
+import random
+import socket
 import threading
 
 import pytest
+import redis
 from kvcore_redis import RedisStore
+from kvcore_redis.resp import RawConnection
 from kvcore_redis.servers import RedisServer
+from redis.exceptions import InvalidResponse
 
 import kvcore
 from kvcore.stores import FRAME_OVERHEAD
@@ -165,3 +170,105 @@ def test_password_and_database(tmp_path) -> None:
         assert bad.stats()["errors"] == 2
         good.close()
         bad.close()
+
+
+# -- the parser on replies cut where a test wants ------------------------------------------------
+# Real servers cannot be made to cut a reply at a chosen byte: these feed RawConnection a socket
+# pair whose reading end hands out a few bytes per read, at sizes drawn from a seed.
+
+
+class Choppy:
+    """A socket whose every ``recv_into`` returns at most a drawn number of bytes."""
+
+    def __init__(self, sock: socket.socket, seed: int) -> None:
+        self.sock = sock
+        self.rng = random.Random(seed)
+
+    def recv_into(self, buf: memoryview) -> int:
+        n = self.rng.choice([1, 2, 3, 7, 13, 4096, 70_000])
+        return self.sock.recv_into(buf[:n])
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Peer(threading.Thread):
+    """The writing end (kept alive by the test, so the reader's request never meets a closed socket)."""
+
+    def __init__(self, sock: socket.socket, data: bytes, close: bool) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.data, self.close = sock, data, close
+
+    def run(self) -> None:
+        self.sock.sendall(self.data)
+        if self.close:
+            self.sock.shutdown(socket.SHUT_WR)
+
+
+def serve(reply: bytes, seed: int, close_after: int | None = None) -> tuple[RawConnection, Peer]:
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)
+    peer = Peer(theirs, reply if close_after is None else reply[:close_after], close_after is not None)
+    peer.start()
+    return RawConnection(Choppy(ours, seed), frame_header=FRAME_OVERHEAD), peer  # type: ignore[arg-type]
+
+
+def resp_array(values: list[bytes | None]) -> bytes:
+    parts = [b"*%d\r\n" % len(values)]
+    for v in values:
+        parts.append(b"$-1\r\n" if v is None else b"$%d\r\n%s\r\n" % (len(v), v))
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parser_values_cut_anywhere(seed: int) -> None:
+    rng = random.Random(seed)
+    values: list[bytes | None] = [None if rng.random() < 0.1 else rng.randbytes(rng.choice([0, 1, 5, 40]))
+                                  for _ in range(8000)]
+    values += [b"\r\n" * 40_000, None, os.urandom(200_000), b"$-1\r\n" * 3]
+    keys = [f"k{i}" for i in range(len(values))]
+    conn, t = serve(resp_array(values), seed)
+    assert [None if v is None else bytes(v) for v in conn.get_values(keys, mget=True)] == values
+    t.join()
+    # The same stream split at the frame header: a value that fills its target goes there, others are read past.
+    targets = [memoryview(bytearray(max(0, len(v) - FRAME_OVERHEAD) if v is not None and seed % 2 else 3))
+               for v in values]
+    conn, t = serve(resp_array(values), seed)
+    got = conn.get_into(keys, targets, mget=True)
+    t.join()
+    for v, g, target in zip(values, got, targets, strict=True):
+        if v is None:
+            assert g is None
+            continue
+        assert g == (v[:FRAME_OVERHEAD], len(v))
+        if len(v) == FRAME_OVERHEAD + target.nbytes:
+            assert target == v[FRAME_OVERHEAD:]
+
+
+def test_parser_refuses_what_is_not_a_get_reply() -> None:
+    for reply, mget, error, match in [
+        (b"-MOVED 3999 127.0.0.1:6381\r\n", False, redis.ResponseError, "MOVED"),
+        (b"*1\r\n:7\r\n", True, InvalidResponse, "bulk string"),
+        (b"*2\r\n$-1\r\n$-1\r\n", True, InvalidResponse, "MGET of 1 keys answered 2"),
+        (b"$3\r\nabcXY", False, InvalidResponse, "CRLF"),
+    ]:
+        conn, peer = serve(reply, 0)
+        with pytest.raises(error, match=match):
+            conn.get_values(["a"], mget=mget)
+        peer.join()
+        conn.close()
+
+
+def test_parser_a_reply_cut_short_by_a_closed_connection() -> None:
+    reply = resp_array([os.urandom(100_000)])
+    for cut in (2, 10, 5000, len(reply) - 1):
+        conn, t = serve(reply, cut, close_after=cut)
+        with pytest.raises(redis.ConnectionError, match="closed"):
+            conn.get_into(["a"], [memoryview(bytearray(100_000 - FRAME_OVERHEAD))], mget=True)
+        t.join()
