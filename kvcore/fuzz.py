@@ -147,7 +147,9 @@ def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, 
         f"--backend-opt {k}={v}" for k, v in extra.items()]
     what = f"backend {backend!r}" + (f" with {' '.join(given)}" if given else "")
     error = ""
-    for scale in (1, 64, 1024):
+    # Fine steps: at page 16 a backend that needs a fixed number of slots (hisparse: its device buffer)
+    # gets the pool it needs, not one 16 times larger, whose free lists every snapshot and check reads.
+    for scale in (1, 4, 16, 64, 256, 1024):
         kwargs: dict[str, Any] = {
             "size": 96 * ps * scale, "page_size": ps, "max_num_reqs": 6, "max_context_len": 16 * ps,
         }
@@ -169,6 +171,12 @@ def fuzz_config(backend: str, page_size: int | None, backend_options: dict[str, 
             continue
         return kwargs
     raise ConfigError(f"{what}: no small configuration for the fuzz validates: {error}")
+
+
+def _as_bytes(slots: torch.Tensor) -> tuple[str, bytes]:
+    """A slot list as comparable bytes: a pool the fuzz had to make large (a backend that needs room at
+    page 16) holds 10^5 free slots, which ``tolist`` turns into as many Python ints per snapshot."""
+    return str(slots.dtype), slots.detach().cpu().contiguous().numpy().tobytes()
 
 
 class _Driver:
@@ -211,11 +219,11 @@ class _Driver:
     def snapshot(self) -> tuple:
         pools = []
         for pool in self.cache.pools():
-            pools.append((pool.name, pool.available(), pool.allocator.free_slots().tolist()))
+            pools.append((pool.name, pool.available(), _as_bytes(pool.allocator.free_slots())))
         r2t = self.inner.req_to_token_pool
         alloc = self.alloc
         claimed = (
-            alloc.claimed_slots().tolist()
+            _as_bytes(alloc.claimed_slots())
             if isinstance(alloc, (TokenToKVPoolAllocator, SWATokenToKVPoolAllocator))
             else None
         )
