@@ -54,3 +54,49 @@ def test_the_example_is_a_full_distribution():
                  "tests/test_conformance.py"):
         assert (EXAMPLE / part).is_file(), part
     assert 'example = "kvcore_example.plugin"' in (EXAMPLE / "pyproject.toml").read_text()
+
+
+def test_the_guide_says_to_install_the_test_extra():
+    # Old: never said, and the kit then failed on `import pytest`.
+    assert 'pip install "kvcore[test]"' in GUIDE
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'test = ["pytest' in pyproject and "hypothesis" in pyproject.split("test = ", 1)[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("name", ["checked_value", "checked_key"])
+def test_the_guide_gives_the_tree_checks_their_real_signatures(name):
+    # Old: `checked_value` was given without its lengths and `device`.
+    import kvcore.tree
+
+    params = ", ".join(inspect.signature(getattr(kvcore.tree, name)).parameters)
+    assert f"`{name}({params})`" in GUIDE, f"the guide does not write {name}({params})"
+
+
+def test_the_guide_answers_what_an_author_asked():
+    for needle in ("last_access_time", "hit_count", "time.monotonic()", "itertools.count(1)",  # who bumps, which clock
+                   "**A disabled cache**", "InsertResult(0, root)", "`cache_unfinished_req` returns at once",
+                   "a node keeps no view of it", "eviction_policies", "--page-size N"):
+        assert needle in GUIDE, needle
+
+
+def test_what_the_guide_says_of_a_disabled_insert_and_the_clock_is_what_the_code_does():
+    import time
+
+    import torch
+
+    import kvcore.tree
+
+    radix = pytest.importorskip("kvcore_radix")
+    assert radix.RadixCache.clock is time.monotonic
+    cache = kvcore.create_cache("radix", size=64, max_num_reqs=4, max_context_len=32, disable=True)
+    value = cache.token_to_kv_pool_allocator.alloc(4)
+    result = cache.insert([1, 2, 3, 4], value)
+    assert result.prefix_len == 0 and result.last_device_node is cache.root_node
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3, 4], value[:2])  # the value's length is still checked
+    assert cache.total_size() == 0
+    cache.token_to_kv_pool_allocator.free(value)  # every slot stayed the caller's
+    kvcore.InvariantChecker(cache).check([])
+    assert kvcore.tree.checked_value(value, 4, 4, value.device) is value  # no copy: a node clones what it keeps
+    row = torch.tensor([5, 6, 7, 8], dtype=torch.int32)  # a request's row is int32: converted, a new tensor
+    assert kvcore.tree.checked_value(row, 4, 4, torch.device("cpu")).data_ptr() != row.data_ptr()
