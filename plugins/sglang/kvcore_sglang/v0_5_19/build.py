@@ -13,8 +13,9 @@ from kvcore_sglang.common.build import (
     UnsupportedContext,
     build_kvcore,
     mamba_options,
+    model_kind,
+    shared_refusals,
     swa_options,
-    targets_for,
     tree_options,
 )
 from kvcore_sglang.config import Target
@@ -35,23 +36,10 @@ def _refuse(target: Target, ctx: Any) -> None:
     """One clear error for a context ``target`` cannot serve, before anything is built."""
     params = ctx.params
     name = target.name
-    kind = "hybrid-ssm" if ctx.is_hybrid_ssm else "hybrid-swa" if ctx.is_hybrid_swa else "full"
-    problems = []
-    if kind not in target.serves:
-        others = targets_for(kind)
-        instead = (f"use {' or '.join(others)}" if others else
-                   "no kvcore name serves it yet: leave --radix-cache-backend unset for SGLang's own tree")
-        problems.append(f"this is a {kind} model, which {name} does not serve ({instead})")
-    if ctx.enable_hierarchical_cache:
-        problems.append("--enable-hierarchical-cache is not supported by kvcore (drop it)")
-    if params.is_eagle:
-        problems.append("EAGLE speculative decoding keys the tree by token bigrams, which kvcore does not support")
+    kind = model_kind(ctx)
+    problems = shared_refusals(target, ctx)
     if params.cache_ttl_seconds is not None:
         problems.append("cache entry TTL (cache_ttl_seconds) is not supported by kvcore")
-    if params.enable_session_radix_cache:
-        problems.append("--enable-session-radix-cache is not supported by kvcore")
-    if getattr(ctx, "is_dsa", False):
-        problems.append("DSA (DeepSeek sparse attention) pools are not supported by kvcore")
     if params.token_to_kv_pool_allocator is not None and isinstance(
         params.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator
     ) and kind == "full":
