@@ -40,6 +40,32 @@ VOCAB = 1024
 FIRST_ID, LAST_ID = 10, VOCAB - 10
 
 
+def build_tiny_gemma4(path: Path) -> Path:
+    """A 4-layer random-weight Gemma 4 text model, two sliding-window (32 tokens) and two full layers.
+
+    SGLang treats ``Gemma4ForCausalLM`` as a hybrid SWA model (its SWA pool, its unified FULL + SWA
+    tree). SGLang 0.5.19 reads ``swa_num_key_value_heads`` from the config, which transformers'
+    ``Gemma4TextConfig`` does not write: it is added to config.json (one KV head, as every layer has).
+    """
+    import json
+
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, global_head_dim=64, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=1024, hidden_size_per_layer_input=0, vocab_size_per_layer_input=VOCAB,
+    )
+    torch.manual_seed(1234)
+    Gemma4ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    saved = json.loads((path / "config.json").read_text())
+    saved["swa_num_key_value_heads"] = 1
+    (path / "config.json").write_text(json.dumps(saved, indent=2))
+    return path
+
+
 def build_tiny_llama(path: Path) -> Path:
     """A 2-layer random-weight Llama (head_dim 64, one KV head) saved with ``save_pretrained``; no tokenizer."""
     import torch
@@ -356,6 +382,20 @@ def run_workload(client: EngineClient | HttpClient) -> dict[str, list[Answer]]:
     return rounds
 
 
+def run_small_workload(client: EngineClient | HttpClient) -> dict[str, list[Answer]]:
+    """Two short rounds for the slow models (interpreted Triton attention): shared prefixes, then turn two.
+
+    The prompts (48 to 70 tokens) are longer than the 32-token window and the 32-token prefill chunk.
+    """
+    rng = random.Random(20261204)
+    prefix = _ids(rng, 40)
+    r1 = [prefix + _ids(rng, 8 + 2 * i) for i in range(3)]
+    rounds = {"shared-prefix": client.generate(r1, 4)}
+    r2 = [r1[i] + rounds["shared-prefix"][i].output_ids + _ids(rng, 6) for i in (0, 2)] + [prefix[:20] + _ids(rng, 30)]
+    rounds["multi-turn"] = client.generate(r2, 4)
+    return rounds
+
+
 def read_log(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
@@ -374,12 +414,12 @@ def leak_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if any(p in line for p in LEAK_PATTERNS)]
 
 
-def run_config(model_path: Path, config: Config, log_dir: Path, http: bool = False) -> Result:
-    """Start the engine (or server) of ``config``, run the workload, stop it, and read its log."""
+def run_config(model_path: Path, config: Config, log_dir: Path, http: bool = False, small: bool = False) -> Result:
+    """Start the engine (or server) of ``config``, run the workload (``small``: the short one), stop it."""
     log_path = log_dir / f"{config.label}{'-http' if http else ''}.log"
     client: EngineClient | HttpClient = (HttpClient if http else EngineClient)(model_path, config, log_path)
     try:
-        rounds = run_workload(client)
+        rounds = (run_small_workload if small else run_workload)(client)
         # Idle: SGLang's scheduler runs its memory check on every idle pass; give it a few.
         time.sleep(1.0)
         if isinstance(client, EngineClient):

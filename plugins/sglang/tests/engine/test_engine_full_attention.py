@@ -33,7 +33,7 @@ import pytest
 from kvcore_sglang.config import TARGETS
 from kvcore_sglang.plugin import declared_targets
 
-from plugins.sglang.tests.engine.harness import Answer, Config, Result, leak_lines, tree_cache_lines
+from plugins.sglang.tests.engine.harness import Config, Result, leak_lines, tree_cache_lines
 
 SGLANG = version("sglang")
 PAGES = (1, 16)
@@ -91,8 +91,6 @@ def assert_workload_ran(result: Result, page: int, reuse: bool) -> None:
     assert rounds["multi-turn"][0].cached_tokens > 40, rounds["multi-turn"]
     # The first family was cached (40 tokens, two 16-token pages) and is gone after the pool filled.
     assert rounds["after-eviction"][0].cached_tokens < 32, rounds["after-eviction"]
-    if page == 1:
-        assert "Retract requests" in result.log, "the pressure round did not make SGLang retract"
     assert all(a.cached_tokens % page == 0 for r in rounds.values() for a in r)
     assert [a.finish for a in rounds["aborted"]] == ["abort", "abort"]
 
