@@ -7,10 +7,11 @@ for each request, vLLM's external prefix-cache hit counter, time to first token
 and the manager's and store's counters.  A job is::
 
     {"model": DIR, "engines": [{"kvcore": {"store": URL, ...} or null, "prompts": [[ids...], ...],
-                                "max_tokens": 8, "sequential": true}]}
+                                "max_tokens": 8, "sequential": true, "multiprocess": false, "model": DIR}]}
 
 ``kvcore`` is the spec's ``kv_connector_extra_config`` (without ``spec_name``);
-null means no connector at all (the reference).  An engine runs
+null means no connector at all (the reference).  ``multiprocess`` and ``model``
+(optional) override the process's engine mode and the job's model for one engine.  An engine runs
 in-process unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` is unset or 1 (vLLM's
 default: the engine core in its own process).  The model is built by
 :func:`tiny_llama` with transformers (``save_pretrained``); nothing is downloaded.
@@ -202,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path(argv[0]).read_text())
     out = []
     for eng in job["engines"]:
-        out.append(run_engine(job["model"], eng.get("kvcore"), eng["prompts"], eng.get("max_tokens", 8),
-                              eng.get("sequential", True)))
+        if "multiprocess" in eng:
+            # Per engine: vLLM reads it when an engine starts (its env cache is dropped between engines).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if eng["multiprocess"] else "0"
+            from vllm import envs  # type: ignore[import-not-found,unused-ignore]
+
+            getattr(envs, "disable_envs_cache", lambda: None)()
+        out.append(run_engine(eng.get("model", job["model"]), eng.get("kvcore"), eng["prompts"],
+                              eng.get("max_tokens", 8), eng.get("sequential", True)))
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

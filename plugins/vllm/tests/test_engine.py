@@ -1,9 +1,9 @@
 """kvcore-vllm inside real vLLM 0.32 on the CPU, token for token against a run without any connector.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or, where a test
-needs a new process, through ``python -m kvcore_vllm.runs``: the file-store reader
-runs in vLLM's default multi-process mode (the spec's metadata crosses processes),
-the Redis writer in-process in a process of its own.
+needs a new process, through ``python -m kvcore_vllm.runs``: one process runs the
+file-store reader in vLLM's default multi-process mode (the spec's metadata crosses
+processes), then the engine that writes to Redis for this process's reader.
 Each in-process run ends with kvcore's InvariantChecker over the host tier's books
 (``kvcore_vllm.runs.run_engine``).  A block is 32 tokens; the prompts share 3 blocks.
 """
@@ -49,13 +49,27 @@ def test_spec_on_gives_the_reference_tokens(file_store: tuple[Path, dict[str, An
     assert writer["invariants"] == "ok"
 
 
-def test_new_process_multiprocess_engine_loads_the_shared_prefix(
-        file_store: tuple[Path, dict[str, Any]], model_a: str, prompts: list[list[int]],
-        reference_a: dict[str, Any], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def other_process(file_store: tuple[Path, dict[str, Any]], redis_server: RedisServer, model_a: str,
+                  prompts: list[list[int]], reference_a: dict[str, Any],
+                  tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One new process (vLLM is imported once for both): the file store's reader in vLLM's default
+    multi-process mode, then an in-process engine that writes to Redis for this process's reader."""
     root, _ = file_store
-    [reader] = run_in_new_process(model_a, [{"kvcore": spec(f"file://{root}", write_to_store=False),
-                                             "prompts": prompts, "max_tokens": max_tokens(reference_a)}],
-                                  tmp_path, multiprocess=True)
+    with redis_server.client() as c:
+        c.flushall()
+    n = max_tokens(reference_a)
+    return run_in_new_process(model_a, [
+        {"kvcore": spec(f"file://{root}", write_to_store=False), "prompts": prompts, "max_tokens": n,
+         "multiprocess": True},
+        {"kvcore": spec(f"redis://{redis_server.address}/0"), "prompts": prompts, "max_tokens": n,
+         "multiprocess": False},
+    ], tmp_path_factory.mktemp("jobs"))
+
+
+def test_new_process_multiprocess_engine_loads_the_shared_prefix(other_process: list[dict[str, Any]],
+                                                                 reference_a: dict[str, Any]) -> None:
+    reader = other_process[0]
     assert reader["tokens"] == reference_a["tokens"]
     # A fresh engine's first request: every cached token came through the connector.
     assert reader["cached"][0] == SHARED
@@ -89,13 +103,12 @@ def test_unchecked_garbage_reaches_the_model(file_store: tuple[Path, dict[str, A
 
 def test_redis_store_shared_between_processes_and_models(redis_server: RedisServer, model_a: str, model_b: str,
                                                          prompts: list[list[int]], reference_a: dict[str, Any],
-                                                         tmp_path: Path) -> None:
+                                                         other_process: list[dict[str, Any]]) -> None:
     url = f"redis://{redis_server.address}/0"
     n = max_tokens(reference_a)
-    with redis_server.client() as c:
-        c.flushall()
-    [writer] = run_in_new_process(model_a, [{"kvcore": spec(url), "prompts": prompts, "max_tokens": n}], tmp_path)
+    writer = other_process[1]  # wrote to Redis from another process
     assert writer["tokens"] == reference_a["tokens"]
+    assert writer["manager"]["blocks_stored"] >= 3
 
     reader = run_engine(model_a, spec(url), prompts, n)
     assert reader["tokens"] == reference_a["tokens"]
