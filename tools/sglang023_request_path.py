@@ -47,6 +47,7 @@ from sglang.srt.runtime_context import get_context
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 import kvcore
+from tools.sglang_decode_step import alloc_decode_slots, commit_decode
 
 __all__ = ["SGLANG_CACHES", "World", "run_stream", "tree_rows"]
 
@@ -140,18 +141,7 @@ class World:
 
     def decode(self, rids: list[str], tokens: list[int]) -> list:
         reqs = [self.reqs[r] for r in rids]
-        if self.page_size == 1:
-            out = allocation.alloc_token_slots(self.cache, len(reqs))
-        else:
-            seq = torch.tensor([r.kv.kv_committed_len + 1 for r in reqs])
-            last = torch.stack([self.r2t.req_to_token[r.kv.req_pool_idx, r.kv.kv_committed_len - 1] for r in reqs])
-            out = allocation.alloc_paged_token_slots_decode(self.cache, seq, seq.clone(), last.to(torch.int64))
-        for req, slot, tok in zip(reqs, out.tolist(), tokens):
-            self.r2t.req_to_token[req.kv.req_pool_idx, req.kv.kv_committed_len] = slot
-            req.kv.kv_allocated_len += 1
-            req.kv.kv_committed_len += 1
-            req.output_ids.append(tok)
-        return out.tolist()
+        return commit_decode(self.r2t, reqs, alloc_decode_slots(self.cache, self.r2t, self.page_size, reqs), tokens)
 
     def finish(self, rid: str) -> None:
         req = self.reqs.pop(rid)

@@ -54,6 +54,7 @@ from sglang.srt.runtime_context import get_context, get_server_args, mamba_track
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 import kvcore
+from tools.sglang_decode_step import alloc_decode_slots, commit_decode
 
 __all__ = ["MambaWorld", "SWAWorld", "World", "install_cpu_kernels", "run_stream", "tree_dump", "window_state"]
 
@@ -215,19 +216,9 @@ class World:
 
     def decode(self, rids: list[str], tokens: list[int]) -> list:
         reqs = [self.reqs[r] for r in rids]
-        if self.page_size == 1:
-            out = allocation.alloc_token_slots(self.cache, len(reqs))
-        else:
-            seq = torch.tensor([r.kv.kv_committed_len + 1 for r in reqs])
-            last = torch.stack([self.r2t.req_to_token[r.kv.req_pool_idx, r.kv.kv_committed_len - 1] for r in reqs])
-            out = allocation.alloc_paged_token_slots_decode(self.cache, seq, seq.clone(), last.to(torch.int64))
+        slots = alloc_decode_slots(self.cache, self.r2t, self.page_size, reqs)
         self.forward(reqs, [[tok] for tok in tokens], prefill=False)
-        for req, slot, tok in zip(reqs, out.tolist(), tokens):
-            self.r2t.req_to_token[req.kv.req_pool_idx, req.kv.kv_committed_len] = slot
-            req.kv.kv_allocated_len += 1
-            req.kv.kv_committed_len += 1
-            req.output_ids.append(tok)
-        return out.tolist()
+        return commit_decode(self.r2t, reqs, slots, tokens)
 
     def forward(self, reqs: list[Req], tokens: list, *, prefill: bool) -> None:
         """The model's forward over these tokens: nothing the cache reads (a model with states adds them)."""
