@@ -53,7 +53,8 @@ class KvcoreVllmConfig(BaseModel):
         scheme = StoreURL.parse(url).scheme
         known = available_stores()
         if scheme not in known:
-            hint = " (install kvcore-redis for redis:// and redis+cluster://)" if scheme.startswith("redis") else ""
+            wants_redis = scheme in ("redis", "redis+cluster")
+            hint = " (install kvcore-redis for redis:// and redis+cluster://)" if wants_redis else ""
             raise ValueError(f"no kvcore store for scheme {scheme + '://'!r}{hint}; "
                              f"known: {', '.join(s + '://' for s in sorted(known))}")
         return url
