@@ -82,6 +82,19 @@ def build_tiny_llama(path: Path) -> Path:
     return path
 
 
+def served_names(kind: str) -> list[str]:
+    """kvcore-sglang's own names that serve ``kind`` (a model kind) on the installed SGLang.
+
+    A contract module's ``SERVED`` (backend -> model kinds), where it has one, narrows the targets'
+    declared kinds to what that SGLang version is served.
+    """
+    from kvcore_sglang.config import TARGETS
+    from kvcore_sglang.plugin import contract_module
+
+    served = getattr(contract_module(), "SERVED", None)
+    return [t.name for t in TARGETS if kind in (t.serves if served is None else served.get(t.backend, ()))]
+
+
 def cpu_engine_env() -> dict[str, str]:
     """What SGLang's CPU engine needs here, for this process and its children.
 

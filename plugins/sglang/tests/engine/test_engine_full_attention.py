@@ -1,7 +1,8 @@
 """Real SGLang generating tokens on kvcore's caches: a tiny random-weight Llama on the CPU.
 
 For every ``kvcore-*`` name the installed SGLang serves on a full-attention model (kvcore-sglang's
-own targets that serve ``full``, and the names other distributions declare, e.g. ``kvcore-example``),
+own targets that serve ``full`` on this version, as its contract module's ``SERVED`` says where it
+narrows them, and the names other distributions declare, e.g. ``kvcore-example``),
 at page size 1 and 16, SGLang runs one workload (``harness.run_workload``: rounds of concurrent
 requests with shared prefixes, multi-turn continuations, prompts longer than the 32-token prefill
 chunk, a 384-token pool that evicts and retracts, two streamed requests aborted after their first
@@ -30,17 +31,16 @@ from __future__ import annotations
 from importlib.metadata import version
 
 import pytest
-from kvcore_sglang.config import TARGETS
 from kvcore_sglang.plugin import declared_targets
 
-from plugins.sglang.tests.engine.harness import Config, Result, leak_lines, tree_cache_lines
+from plugins.sglang.tests.engine.harness import Config, Result, leak_lines, served_names, tree_cache_lines
 
 SGLANG = version("sglang")
 PAGES = (1, 16)
 
 
 def _full_attention_names() -> list[str]:
-    names = [t.name for t in TARGETS if "full" in t.serves]
+    names = served_names("full")
     for name, ep in declared_targets():
         target = ep.load()
         if "full" in target.serves:

@@ -27,12 +27,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from kvcore_sglang.config import TARGETS
 
-from plugins.sglang.tests.engine.harness import Config, leak_lines, tree_cache_lines
+from plugins.sglang.tests.engine.harness import Config, leak_lines, served_names, tree_cache_lines
 
 SGLANG = version("sglang")
-SWA_NAMES = [t.name for t in TARGETS if "hybrid-swa" in t.serves]
+SWA_NAMES = served_names("hybrid-swa")
 TRITON = (("attention_backend", "triton"),)
 
 
