@@ -70,7 +70,7 @@ def test_bad_options_are_rejected_with_clear_messages(name, opts, match):
 
 
 def test_only_lru_eviction_policy():
-    with pytest.raises(kvcore.ConfigError, match="only 'lru'"):
+    with pytest.raises(kvcore.ConfigError, match="the swa backend takes eviction_policy 'lru' only"):
         make(eviction_policy="lfu")
     assert make(eviction_policy="lru").eviction_policy == "lru"
 
