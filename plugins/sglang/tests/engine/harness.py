@@ -415,8 +415,9 @@ def read_log(path: Path) -> str:
 
 TREE_CACHE_LINE = re.compile(r"Tree cache initialized: source=(\S+) impl=(\w+)")
 # What SGLang's idle check (SchedulerInvariantChecker) and its pool checks log or raise on a leak.
+# (Not every traceback: launch_server logs refused connections of its own startup probes.)
 LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free", "SchedulerFailed",
-                 "Received sigquit", "Traceback (most recent call last)")
+                 "Received sigquit", "Scheduler hit an exception", "has no attribute")
 
 
 def tree_cache_lines(log: str) -> list[tuple[str, str]]:
