@@ -417,7 +417,7 @@ TREE_CACHE_LINE = re.compile(r"Tree cache initialized: source=(\S+) impl=(\w+)")
 # What SGLang's idle check (SchedulerInvariantChecker) and its pool checks log or raise on a leak.
 # (Not every traceback: launch_server logs refused connections of its own startup probes.)
 LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free", "SchedulerFailed",
-                 "Received sigquit", "Scheduler hit an exception", "has no attribute")
+                 "Received sigquit", "Scheduler hit an exception")
 
 
 def tree_cache_lines(log: str) -> list[tuple[str, str]]:
