@@ -94,5 +94,11 @@ class KvcoreCacheCore:
     def total_size(self) -> Any:
         return int(self.kvcore_cache.total_size())
 
+    def sanity_check(self) -> None:
+        """The kvcore tree's own structural check; SGLang's idle check calls it on hybrid trees
+        (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK``), where a failure is a leak report."""
+        if not self.disable:
+            self.kvcore_cache.sanity_check()
+
     def pretty_print(self) -> Any:
         return self.kvcore_cache.pretty_print()

@@ -412,10 +412,6 @@ class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
     def total_size(self) -> Any:
         return int(self.kvcore_cache.total_size()), self.mamba_evictable_size() + self.mamba_protected_size()
 
-    def sanity_check(self) -> None:
-        if not self.disable:
-            self.kvcore_cache.sanity_check()
-
     # -- what SGLang's leak diagnosis (the scheduler's watchdog dump) reads
     def all_values_flatten(self) -> torch.Tensor:
         return self._tree_slots("full")

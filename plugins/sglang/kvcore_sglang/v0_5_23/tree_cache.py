@@ -68,6 +68,8 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
         # SGLang's trees publish nothing while disabled, and record a clear when they build the tree.
         self._events = EventTranslator(params, enabled=bool(params.enable_kv_cache_events) and not self.disable)
         self._events.recorder.record_all_cleared()
+        # kvcore's tree protocol inserts (key, value); kvcore-radix also takes SGLang's priority and chunked.
+        self._insert_options = target.backend == "radix"
 
     # -- traits (disable, root_node: KvcoreCacheCore)
     def supports_prefix_sharing(self) -> bool:
@@ -146,7 +148,11 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :prompt].to(torch.int64)
         key = kvcore.RadixKey(view.fill_slice(0, prompt), view.extra_key)
-        self.kvcore_cache.insert(key, row, priority=min(view.priority + 1, _INT64_MAX), chunked=True)
+        if self._insert_options:
+            self.kvcore_cache.insert(key, row, priority=min(view.priority + 1, _INT64_MAX), chunked=True)
+        else:
+            # The split alone: a node's priority orders only the priority eviction policy, kvcore-radix's.
+            self.kvcore_cache.insert(key, row)
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         # Through kvcore (strict: a slot a node owns is refused before SGLang frees anything); adjacent

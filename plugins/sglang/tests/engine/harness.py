@@ -5,14 +5,18 @@ Imports nothing of SGLang or torch at module level (SGLang's scheduler process m
 
 - :func:`build_tiny_llama` writes a random-weight Llama with transformers' ``save_pretrained``.
 - :func:`cpu_engine_env` is the environment SGLang's CPU engine runs with here.
-- :class:`EngineClient` runs ``sglang.Engine`` in this process (its scheduler and detokenizer are
-  SGLang's own subprocesses, logging to a file); :class:`HttpClient` talks to a real
-  ``python -m sglang.launch_server`` over loopback HTTP.
+- :class:`EngineClient` runs ``sglang.Engine`` in the process it is made in (its scheduler and
+  detokenizer are SGLang's own subprocesses, logging to a file); :class:`HttpClient` talks to a
+  real ``python -m sglang.launch_server`` over loopback HTTP.
 - :func:`run_workload` sends the same rounds through either and returns what the engine answered.
+- :func:`run_config` runs one configuration: an engine in a child process of its own (this module
+  run as a program), a server as a child process, so that SGLang's handling of a failed scheduler
+  (it kills its process tree) ends that child, never the test run.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[3]
 STAND_INS = HERE / "cpu_stand_ins"
 
 # Small enough that the workload's later rounds evict earlier prefixes; the chunk is shorter
@@ -132,19 +137,6 @@ def patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-class SchedulerFailed(RuntimeError):
-    """SGLang's scheduler (or another of its processes) failed and signalled this process."""
-
-
-def scheduler_failed(signum: int, frame: Any) -> None:
-    """``custom_sigquit_handler``: SGLang's child processes send SIGQUIT on a failure.
-
-    SGLang's own handler kills this whole process tree (here: pytest); this one raises in the
-    main thread instead, so the test fails with a pointer to the log.
-    """
-    raise SchedulerFailed("an SGLang process failed (SIGQUIT from a child): see the engine log")
-
-
 @dataclass(frozen=True)
 class Config:
     """One engine configuration: a ``--radix-cache-backend`` name (None: SGLang's default), a page size."""
@@ -193,6 +185,9 @@ class Answer:
     cached_tokens: int
     finish: str
 
+    def to_json(self) -> dict[str, Any]:
+        return {"output_ids": self.output_ids, "cached_tokens": self.cached_tokens, "finish": self.finish}
+
     @classmethod
     def of(cls, out: dict[str, Any]) -> Answer:
         meta = out["meta_info"]
@@ -221,7 +216,11 @@ def _fds_to(path: Path) -> Iterator[None]:
 
 
 class EngineClient:
-    """``sglang.Engine`` in this process; its scheduler and detokenizer log to ``log_path``."""
+    """``sglang.Engine`` in this process; its scheduler and detokenizer log to ``log_path``.
+
+    On a failure in any of its processes SGLang kills this process's tree (its SIGQUIT handler),
+    so :func:`run_config` makes one in a child process of its own.
+    """
 
     def __init__(self, model_path: Path, config: Config, log_path: Path):
         self.log_path = log_path
@@ -231,9 +230,7 @@ class EngineClient:
             import sglang
 
             with _fds_to(log_path):
-                self.engine = sglang.Engine(
-                    model_path=str(model_path), custom_sigquit_handler=scheduler_failed, **config.server_args()
-                )
+                self.engine = sglang.Engine(model_path=str(model_path), **config.server_args())
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Answer]:
         outs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=_sampling(max_new_tokens))
@@ -254,6 +251,8 @@ class EngineClient:
 
     def close(self) -> None:
         self.engine.shutdown()
+        # SGLang registers shutdown at exit too; run again there, it would log into closed streams.
+        atexit.unregister(self.engine.shutdown)
 
 
 def free_port() -> int:
@@ -416,8 +415,7 @@ def read_log(path: Path) -> str:
 TREE_CACHE_LINE = re.compile(r"Tree cache initialized: source=(\S+) impl=(\w+)")
 # What SGLang's idle check (SchedulerInvariantChecker) and its pool checks log or raise on a leak.
 # (Not every traceback: launch_server logs refused connections of its own startup probes.)
-LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free", "SchedulerFailed",
-                 "Received sigquit", "Scheduler hit an exception")
+LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free", "Received sigquit", "Scheduler hit an exception")
 
 
 def tree_cache_lines(log: str) -> list[tuple[str, str]]:
@@ -428,16 +426,68 @@ def leak_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if any(p in line for p in LEAK_PATTERNS)]
 
 
+ENGINE_TIMEOUT_S = 900.0
+
+
 def run_config(model_path: Path, config: Config, log_dir: Path, http: bool = False, small: bool = False) -> Result:
-    """Start the engine (or server) of ``config``, run the workload (``small``: the short one), stop it."""
+    """Start the engine (or server) of ``config``, run the workload (``small``: the short one), stop it.
+
+    An engine runs in a child process (:func:`main`), in a session of its own; an engine that dies
+    (SGLang kills its own tree when its scheduler fails) fails the configuration with its log.
+    """
     log_path = log_dir / f"{config.label}{'-http' if http else ''}.log"
-    client: EngineClient | HttpClient = (HttpClient if http else EngineClient)(model_path, config, log_path)
+    if http:
+        client = HttpClient(model_path, config, log_path)
+        try:
+            rounds = (run_small_workload if small else run_workload)(client)
+        finally:
+            client.close()
+        return Result(rounds=rounds, log=read_log(log_path))
+    out_path = log_dir / f"{config.label}.json"
+    out_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-c", f"from {__name__} import main; main()", str(model_path), json.dumps(_config_json(config)),
+           str(log_path), str(out_path), "small" if small else "full"]
+    env = dict(os.environ)
+    # This module by its package name in the child: the repository root first on its path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            # The engine's scheduler and detokenizer, whatever became of the child.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log_text = read_log(log_path)
+    if rc != 0 or not out_path.exists():
+        why = f"ran past {ENGINE_TIMEOUT_S:.0f} s" if rc is None else f"exited with {rc}"
+        failures = "\n".join(leak_lines(log_text)[:20]) or "\n".join(log_text.splitlines()[-20:])
+        raise RuntimeError(f"engine {config.label} {why}; its log ({log_path}) says:\n{failures}")
+    answers = json.loads(out_path.read_text())
+    rounds = {name: [Answer(**a) for a in round_answers] for name, round_answers in answers.items()}
+    return Result(rounds=rounds, log=log_text)
+
+
+def _config_json(config: Config) -> dict[str, Any]:
+    return {"backend": config.backend, "page_size": config.page_size, "disable_radix_cache": config.disable_radix_cache,
+            "model": config.model, "extra": [list(kv) for kv in config.extra]}
+
+
+def main() -> None:
+    """The child of :func:`run_config`: argv is the model, the config (JSON), the log, the answers' file, the workload."""
+    model_path, config_json, log_path, out_path, workload = sys.argv[1:6]
+    raw = json.loads(config_json)
+    raw["extra"] = tuple(tuple(kv) for kv in raw["extra"])
+    client = EngineClient(Path(model_path), Config(**raw), Path(log_path))
     try:
-        rounds = (run_small_workload if small else run_workload)(client)
+        rounds = (run_small_workload if workload == "small" else run_workload)(client)
         # Idle: SGLang's scheduler runs its memory check on every idle pass; give it a few.
         time.sleep(1.0)
-        if isinstance(client, EngineClient):
-            client.engine.get_server_info()
+        client.engine.get_server_info()
     finally:
         client.close()
-    return Result(rounds=rounds, log=read_log(log_path))
+    Path(out_path).write_text(json.dumps({name: [a.to_json() for a in answers] for name, answers in rounds.items()}))
