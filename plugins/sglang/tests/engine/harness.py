@@ -415,7 +415,9 @@ def read_log(path: Path) -> str:
 TREE_CACHE_LINE = re.compile(r"Tree cache initialized: source=(\S+) impl=(\w+)")
 # What SGLang's idle check (SchedulerInvariantChecker) and its pool checks log or raise on a leak.
 # (Not every traceback: launch_server logs refused connections of its own startup probes.)
-LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free", "Received sigquit", "Scheduler hit an exception")
+LEAK_PATTERNS = (
+    "memory leak detected", "double free", "use-after-free", "Received sigquit", "Scheduler hit an exception",
+)
 
 
 def tree_cache_lines(log: str) -> list[tuple[str, str]]:
@@ -445,8 +447,8 @@ def run_config(model_path: Path, config: Config, log_dir: Path, http: bool = Fal
         return Result(rounds=rounds, log=read_log(log_path))
     out_path = log_dir / f"{config.label}.json"
     out_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-c", f"from {__name__} import main; main()", str(model_path), json.dumps(_config_json(config)),
-           str(log_path), str(out_path), "small" if small else "full"]
+    cmd = [sys.executable, "-c", f"from {__name__} import main; main()", str(model_path),
+           json.dumps(_config_json(config)), str(log_path), str(out_path), "small" if small else "full"]
     env = dict(os.environ)
     # This module by its package name in the child: the repository root first on its path.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -478,7 +480,10 @@ def _config_json(config: Config) -> dict[str, Any]:
 
 
 def main() -> None:
-    """The child of :func:`run_config`: argv is the model, the config (JSON), the log, the answers' file, the workload."""
+    """The child of :func:`run_config`.
+
+    argv: the model, the config (JSON), the log, the answers' file, the workload (``small`` or ``full``).
+    """
     model_path, config_json, log_path, out_path, workload = sys.argv[1:6]
     raw = json.loads(config_json)
     raw["extra"] = tuple(tuple(kv) for kv in raw["extra"])

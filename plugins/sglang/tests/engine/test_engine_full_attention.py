@@ -15,8 +15,9 @@ many tokens it made before the abort arrived is timing). SGLang's log must show 
 its idle memory check (``available + evictable + protected == total`` for the token pool, every
 request slot free) on every idle pass, with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a
 leak raises in the scheduler; SGLang then kills the engine's processes (each engine runs in a
-child process of its own) and the test fails with the log's failure lines. One real ``python -m sglang.launch_server`` with ``kvcore-radix`` answers the same workload
-over HTTP exactly as the default engine does.
+child process of its own) and the test fails with the log's failure lines. One real
+``python -m sglang.launch_server`` with ``kvcore-radix`` answers the same workload over HTTP
+exactly as the default engine does.
 
 What is not SGLang's own here: ``cpu_stand_ins/sgl_kernel`` stands in for the ``sgl_kernel``
 package, whose CPU build is not on the package index. SGLang's CPU engine imports a few ``*_cpu``
