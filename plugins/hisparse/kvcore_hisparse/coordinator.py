@@ -616,7 +616,16 @@ class HiSparseCoordinator:
         self.ack_staging_queue = [a for a in self.ack_staging_queue if a.req is not req and a is not state.act]
         if self.write_staging_stream is not None:
             self.write_staging_stream.synchronize()
-        self.token_to_kv_pool_allocator.free_hisparse(self._row_slots(kv, state.prefill_len))
+        self._drop_staging_state(kv, state)
+
+    def _drop_staging_state(self, kv: ReqKvInfo, state: HiSparseReqState) -> None:
+        """Free what a staging request holds: the device slots its row maps to, its host copy.
+
+        The whole allocated row, not only the prefill: with pages, a device page the prefill
+        ends in is freed whole, and a slot past the prefill that maps into it must not keep
+        pointing there (the row's own free would free that page again).
+        """
+        self.token_to_kv_pool_allocator.free_hisparse(self._row_slots(kv, kv.kv_allocated_len))
         self._free_host(state)
         self._detach(kv)
 
@@ -628,10 +637,7 @@ class HiSparseCoordinator:
         state = self.staging_state_of(act)
         if state is None:
             return
-        kv = state.kv
-        self.token_to_kv_pool_allocator.free_hisparse(self._row_slots(kv, state.prefill_len))
-        self._free_host(state)
-        self._detach(kv)
+        self._drop_staging_state(state.kv, state)
 
     def retract_req(self, req: Req) -> None:
         state = self.state_of(req.kv)
@@ -655,20 +661,20 @@ class HiSparseCoordinator:
             self.ack_staging_queue = [a for a in self.ack_staging_queue if a is not state.act]
             if self.write_staging_stream is not None:
                 self.write_staging_stream.synchronize()
-            self.token_to_kv_pool_allocator.free_hisparse(self._row_slots(kv, state.prefill_len))
-        else:
-            alloc = self.token_to_kv_pool_allocator
-            cap = state.device_buffer_size_now
-            if cap:
-                buf = state.device_buffer[:cap]
-                alloc.free_hisparse_indices(torch.unique(buf[buf > 0]))
-            if kv.req_pool_idx is not None and kv.kv_allocated_len:
-                rows = self._row_slots(kv, kv.kv_allocated_len).to(alloc.device)
-                mapping = alloc.full_to_hisparse_device_index_mapping
-                mapped = mapping[rows]
-                # What the row maps outside the buffer (a page-size-1 decode slot not mapped yet) is the row's own.
-                inside = torch.isin(mapped, state.device_buffer[:cap].to(mapped.device))
-                mapping[rows[inside]] = 0
+            self._drop_staging_state(kv, state)
+            return
+        alloc = self.token_to_kv_pool_allocator
+        cap = state.device_buffer_size_now
+        if cap:
+            buf = state.device_buffer[:cap]
+            alloc.free_hisparse_indices(torch.unique(buf[buf > 0]))
+        if kv.req_pool_idx is not None and kv.kv_allocated_len:
+            rows = self._row_slots(kv, kv.kv_allocated_len).to(alloc.device)
+            mapping = alloc.full_to_hisparse_device_index_mapping
+            mapped = mapping[rows]
+            # What the row maps outside the buffer (a page-size-1 decode slot not mapped yet) is the row's own.
+            inside = torch.isin(mapped, state.device_buffer[:cap].to(mapped.device))
+            mapping[rows[inside]] = 0
         self._free_host(state)
         self._detach(kv)
 

@@ -11,6 +11,7 @@ import torch
 import kvcore
 from kvcore import Engine, Req
 from kvcore.factory import ConfigError
+from kvcore.fuzz import run_fuzz
 
 NEEDS_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
@@ -319,6 +320,19 @@ def test_finish_without_staging_returns_everything():
     eng.finish(req)
     check(cache)
     assert all(v.available() == v.capacity for v in cache.pools())
+
+
+def test_staging_record_extended_past_its_prefill_frees_each_device_page_once():
+    """The seeded stream that found it (``kvcore fuzz --backend hisparse --seed 0 --page-size 16``).
+
+    A session's record still in staging (prefill 83 tokens) was extended to 101 tokens before its
+    session ended; the staging release freed the device slots of the prefill only, so the page
+    holding positions 80..95 went back whole while positions 83..95 still mapped into it, and the
+    row's own free then freed that page a second time.  The fuzz runs the invariant checker after
+    every operation.
+    """
+    result = run_fuzz("hisparse", 11_400, seed=0, page_size=16, check_every=1)
+    assert result.ops == 11_400 and result.checks > 11_400
 
 
 # ------------------------------------------------------------------------------------------ bad input
