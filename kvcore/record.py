@@ -183,6 +183,12 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
+        """The prompt followed by the generated tokens.  Read it, never change it: while nothing
+        was generated it is ``origin_input_ids`` itself, so that a chunked prefill's loop
+        (``while kv.kv_committed_len < len(req.fill_ids)``) costs nothing per chunk; after that a
+        new list (``fill_slice`` reads a range without building it)."""
+        if not self.output_ids:
+            return self.origin_input_ids
         return self.origin_input_ids + self.output_ids
 
     @property

@@ -71,3 +71,16 @@ def test_keys_validate():
         as_radix_key([1, -2])
     with pytest.raises(TypeError, match="1-D"):
         as_radix_key(torch.ones(2, 2, dtype=torch.int64))
+
+
+def test_fill_ids_is_the_prompt_until_a_token_is_generated_and_fill_slice_agrees():
+    # A chunked prefill reads len(req.fill_ids) once per chunk: no copy of a long prompt then.
+    req = Req("r", [5, 6, 7, 8])
+    assert req.fill_ids is req.origin_input_ids
+    req.output_ids += [9, 10]
+    assert req.fill_ids == [5, 6, 7, 8, 9, 10] and req.origin_input_ids == [5, 6, 7, 8]
+    for start in range(7):
+        for end in range(start, 7):
+            assert req.fill_slice(start, end) == req.fill_ids[start:end]
+    req.output_ids.clear()
+    assert req.fill_ids is req.origin_input_ids
