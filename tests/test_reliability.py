@@ -175,6 +175,26 @@ def test_bad_input_matrix(case, backends, call, expected, backend, ps):
     InvariantChecker(ctx.cache).check([])
 
 
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("backend", TREES + ("unified", "unified-swa"))
+def test_insert_after_its_match_checks_the_tokens_past_the_whole_pages(backend, ps):
+    # An engine matches a key and then inserts it grown by a token: the tree reuses the match's walk, and
+    # the new token must be checked as an insert without the match checks it (it was accepted unchecked).
+    kw = _kwargs(backend, ps, **({"sliding_window_size": 2 * ps} if backend == "unified-swa" else {}))
+    cache = create_cache(backend, **kw)
+    key = [90 + i for i in range(2 * ps)]
+    held = cache.token_to_kv_pool_allocator.alloc(3 * ps)
+    value = held[: 2 * ps + 1]
+    cache.match_prefix(RadixKey(list(key)))
+    before = (cache.total_size(), sorted((so.owner, tuple(so.slots.tolist())) for so in cache.iter_owned_slots()))
+    with pytest.raises(ValueError, match="non-negative"):
+        cache.insert(RadixKey(key + [-3]), value)
+    assert (cache.total_size(), sorted((so.owner, tuple(so.slots.tolist())) for so in cache.iter_owned_slots())) \
+        == before
+    cache.token_to_kv_pool_allocator.free(held)
+    InvariantChecker(cache).check([])
+
+
 # ------------------------------------------------------------------ strict=False
 
 

@@ -213,7 +213,7 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         key object; the tree has not changed in between (any change clears the
         walk), so its path still holds.  Returns ``(path, pos, ids)`` or None, where
         ``ids`` are the token ids to store: the matched key's own, already
-        checked, when ``rk``'s are known valid or that key's checked rest held no
+        checked, when ``rk``'s are known valid or (``rk`` holding just those ``n``) that key's checked rest held no
         0 or 1 (a token equal to a checked id is taken as that id, as on the
         walked path, and with no 0 or 1 there is no bool either; ``rk`` is then
         neither converted nor scanned); else ``rk``'s, whose rest is checked here.
@@ -225,8 +225,9 @@ class RadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if lrk is not rk:
             if rk.extra_key != lrk.extra_key or not rk.same_prefix(lrk, n):
                 return None
-            if lrk.validated and (rk.validated or no01):
-                # rk stays as it was: its ids were compared, not checked (another cache checks them).
+            if lrk.validated and (rk.validated or (no01 and len(rk) == n)):
+                # rk stays as it was: its ids were compared, not checked (another cache checks them).  Only a
+                # key of n tokens: ids past them (an unaligned tail) were never compared, so they are checked below.
                 return path, pos, lrk.token_ids
         ids = rk.token_ids
         if not rk.validated:
