@@ -745,5 +745,3 @@ class Engine:
         req.last_node = req.lock = None
         self._r2t.free(req)
 
-
-# ENGINE-API-READY
