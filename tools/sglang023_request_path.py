@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from kvcore_sglang.v0_5_23 import KvcoreTreeCache, owner_of
+from sglang.srt.disaggregation.kv_events import BlockRemoved
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, release_req
 from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
 from sglang.srt.mem_cache import allocation
@@ -52,21 +53,26 @@ from tools.sglang_decode_step import alloc_decode_slots, commit_decode
 __all__ = ["SGLANG_CACHES", "World", "run_stream", "tree_rows"]
 
 
-def _unified_disabled(init: Any) -> Any:
-    """What SGLang 0.5.23 builds for ``--disable-radix-cache`` on a full-attention model (registry's default)."""
+def _unified_full(init: Any) -> Any:
+    """SGLang 0.5.23's default tree on a full-attention model: ``UnifiedRadixCache`` with its one component full.
+
+    Its tree core is the one ``init.tree_core_backend`` names (:func:`run_stream`'s ``tree_core``;
+    None: ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, ``rust`` by default, falling back to ``python``).
+    """
     init.tree_components = (ComponentType.FULL,)
     return UnifiedRadixCache(init)
 
 
-#: SGLang 0.5.23's own cache per kvcore name it is compared with.
-SGLANG_CACHES = {"kvcore-radix": RadixCache, "kvcore-chunk": _unified_disabled}
+#: SGLang 0.5.23's own cache per kvcore name it is compared with (kvcore-chunk: what SGLang builds for
+#: ``--disable-radix-cache`` on a full-attention model, the registry's default disabled).
+SGLANG_CACHES = {"kvcore-radix": RadixCache, "kvcore-unified": _unified_full, "kvcore-chunk": _unified_full}
 
 
 class World:
     """SGLang 0.5.23's pools, one cache on them (SGLang's own, or the one its registry builds for a kvcore name)."""
 
     def __init__(self, name: str, *, own: bool, size: int, page_size: int, rows: int, width: int,
-                 disable: bool = False, **params: Any):
+                 disable: bool = False, tree_core: str | None = None, **params: Any):
         self.name = name
         self.size = size
         self.page_size = page_size
@@ -78,8 +84,15 @@ class World:
         disable = disable or name == "kvcore-chunk"
         init = CacheInitParams(disable=disable, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
                                page_size=page_size, **params)
+        # SGLang's Rust tree core keeps no Python nodes (its tree is compared as the KV-canary walk's rows), and
+        # publishes one BlockRemoved per evicted node where its Python core and kvcore publish one per eviction
+        # (the same blocks in the same order): consecutive removals are compared merged.
+        self.rust_core = tree_core == "rust"
         if own:
+            init.tree_core_backend = tree_core
             self.cache = SGLANG_CACHES[name](init)
+            core = getattr(self.cache, "_tree_core_backend", None)
+            assert tree_core is None or core == tree_core, f"asked for the {tree_core} tree core, got {core}"
         else:
             load_plugins()
             with get_context().override_server_args(radix_cache_backend=name) as server_args:
@@ -183,9 +196,9 @@ class World:
             # SGLang's UnifiedRadixCache answers (full, swa) tokens.
             "total": total[0] if isinstance(total, tuple) else total,
             "sharing": sharing,
-            "tree": tree_rows(cache.root_node) if sharing else None,
+            "tree": (canary_rows(cache) if self.rust_core else tree_rows(cache.root_node)) if sharing else None,
             "reqs": {rid: self.req_state(r) for rid, r in sorted(self.reqs.items())},
-            "events": [repr(e) for e in cache.take_events()],
+            "events": [repr(e) for e in (merged_removals if self.rust_core else list)(cache.take_events())],
         }
 
     def req_state(self, r: Req) -> tuple:
@@ -211,18 +224,57 @@ class World:
 
 
 def tree_rows(root: Any) -> list:
-    """Every node of a radix tree, SGLang's or kvcore's: (path, slots, lock, hit count, priority), sorted."""
+    """Every node of a radix tree, SGLang's or kvcore's: (path, slots, lock, hit count, priority), sorted.
+
+    SGLang's unified tree core keeps a node's slots and lock in its full component's data.
+    """
     rows = []
     stack = [((), root)]
     while stack:
         path, node = stack.pop()
         key = node.key.token_ids if isinstance(node.key, RadixKey) else node.key
-        full = path + tuple(key)
-        value = [] if node.value is None or isinstance(node.value, list) else node.value.tolist()
+        full = path + tuple(key or ())
+        data = node.component_data[ComponentType.FULL] if hasattr(node, "component_data") else node
+        value = [] if data.value is None or isinstance(data.value, list) else data.value.tolist()
         if node is not root:
-            rows.append((full, value, node.lock_ref, node.hit_count, node.priority))
+            rows.append((full, value, data.lock_ref, node.hit_count, node.priority))
         stack.extend((full, child) for child in node.children.values())
     return sorted(rows)
+
+
+def merged_removals(events: list) -> list:
+    """KV events with each run of consecutive ``BlockRemoved`` merged into one (their blocks in order)."""
+    out: list = []
+    for e in events:
+        if isinstance(e, BlockRemoved) and out and isinstance(out[-1], BlockRemoved) and out[-1].medium == e.medium:
+            out[-1] = BlockRemoved(block_hashes=[*out[-1].block_hashes, *e.block_hashes], medium=e.medium)
+        else:
+            out.append(e)
+    return out
+
+
+def canary_rows(cache: Any) -> tuple:
+    """The tree as SGLang's KV-canary walk flattens it: (slot, position, slot before it) of every node's slots,
+    sorted, then the same rows of the unlocked nodes only.  kvcore's tree is walked here the same way."""
+    if not isinstance(cache, KvcoreTreeCache):
+        core = cache.tree_core
+        walks = [core.walk_for_kv_canary(unlocked_only=u, swa_resident_only=False) for u in (False, True)]
+        return tuple(sorted(zip(w.slot_indices.tolist(), w.positions.tolist(), w.prev_slot_indices.tolist()))
+                     for w in walks)
+    everything: list = []
+    unlocked: list = []
+    stack = [(cache.root_node, 0, -1)]
+    while stack:
+        node, depth, before = stack.pop()
+        slots = [] if node is cache.root_node else node.value.tolist()
+        for j, slot in enumerate(slots):
+            row = (slot, depth + j, before if j == 0 else slots[j - 1])
+            everything.append(row)
+            if node.lock_ref == 0:
+                unlocked.append(row)
+        last = slots[-1] if slots else before
+        stack.extend((child, depth + len(slots), last) for child in node.children.values())
+    return sorted(everything), sorted(unlocked)
 
 
 def run_stream(seed: int, *, name: str, page_size: int, steps: int, size: int = 112,

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from kvcore_sglang import plugin
-from kvcore_sglang.v0_5_23 import KvcoreChunkCache, KvcoreTreeCache, UnsupportedContext
+from kvcore_sglang.v0_5_23 import KvcoreChunkCache, KvcoreTreeCache, KvcoreUnifiedTreeCache, UnsupportedContext
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -50,10 +50,33 @@ def test_registry_builds_kvcore_chunk() -> None:
     assert isinstance(cache, KvcoreChunkCache) and not cache.supports_prefix_sharing()
 
 
-@pytest.mark.parametrize("name", ["kvcore-unified", "kvcore-swa", "kvcore-mamba"])
+def test_registry_builds_kvcore_unified_with_component_full() -> None:
+    cache = _build("kvcore-unified")
+    assert isinstance(cache, KvcoreUnifiedTreeCache) and cache.supports_prefix_sharing()
+    assert cache.kvcore_cache.backend_name == "unified"
+    assert tuple(c.name for c in cache.kvcore_cache.components) == ("full",)
+    # SGLang 0.5.23's UnifiedRadixCache answers (full tokens, tokens of the other components).
+    assert cache.total_size() == (0, 0)
+    kvcore.InvariantChecker(cache.kvcore_cache).check()
+
+
+@pytest.mark.parametrize("name", ["kvcore-swa", "kvcore-mamba"])
 def test_names_not_served_on_0_5_23_are_refused_by_name(name: str) -> None:
     with pytest.raises(UnsupportedContext, match=rf"--radix-cache-backend {name} \(SGLang 0\.5\.23\)"):
         _build(name, hybrid_swa=name == "kvcore-swa", hybrid_ssm=name == "kvcore-mamba")
+
+
+@pytest.mark.parametrize(("kind", "components"), [("swa", "full \\+ swa"), ("ssm", "full \\+ mamba")])
+def test_kvcore_unified_refuses_hybrid_models_on_0_5_23(kind: str, components: str) -> None:
+    with pytest.raises(UnsupportedContext, match=rf"--radix-cache-backend kvcore-unified \(SGLang 0\.5\.23\): "
+                       rf".*UnifiedRadixCache with components {components}.*hybrid-{kind} model"):
+        _build("kvcore-unified", hybrid_swa=kind == "swa", hybrid_ssm=kind == "ssm")
+
+
+def test_kvcore_unified_refuses_eviction_policies_it_does_not_keep() -> None:
+    # kvcore's unified tree keeps one LRU order per component; SGLang's unified tree takes other policies.
+    with pytest.raises(UnsupportedContext, match="kvcore-unified.*refuses SGLang's options"):
+        _build("kvcore-unified", eviction_policy="lfu")
 
 
 @pytest.mark.parametrize("name", ["kvcore-radix", "kvcore-chunk"])

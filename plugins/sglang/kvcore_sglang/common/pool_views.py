@@ -11,7 +11,8 @@ lists the model runner's kernels read are the ones kvcore's backend changes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -115,8 +116,27 @@ class _AllocatorCalls(_TreeClaims):
     def alloc_decode(self, *args: Any) -> torch.Tensor | None:
         return self.sglang.alloc_decode(*args)
 
+    # Set within frees_as_segments().
+    _segment_frees = False
+
+    @contextlib.contextmanager
+    def frees_as_segments(self) -> Iterator[None]:
+        """Within it, ``free`` is SGLang's ``free_segment`` (the pages back in the order given, not sorted).
+
+        SGLang 0.5.23's unified tree frees each evicted node so, where 0.5.19's trees (and kvcore's,
+        which follow them) call ``free``; the free-list order, and so every later allocation, differs.
+        """
+        self._segment_frees = True
+        try:
+            yield
+        finally:
+            self._segment_frees = False
+
     def free(self, free_index: torch.Tensor) -> None:
-        self.sglang.free(self._unclaimed(free_index))
+        if self._segment_frees:
+            self.sglang.free_segment(self._unclaimed(free_index), start_pos=0)
+        else:
+            self.sglang.free(self._unclaimed(free_index))
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
         self.sglang.free_segment(self._unclaimed(free_index), start_pos=start_pos)

@@ -10,15 +10,16 @@ lives in :mod:`kvcore_sglang.common`.
 * the tree caches (:mod:`.tree_cache`): ``checkpoint`` / ``lock`` / ``unlock`` /
   ``path_device_indices`` / ``supports_prefix_sharing`` over one kvcore backend, and SGLang's
   own event recorder fed with kvcore's pages (:mod:`.events`).
-* the build (:mod:`.build`): what 0.5.23 serves (``kvcore-radix``, ``kvcore-chunk`` and declared
-  full-attention names), one error naming the name and the version for the rest.
+* the build (:mod:`.build`): what 0.5.23 serves (``kvcore-radix``, ``kvcore-unified`` with component
+  ``full``, ``kvcore-chunk`` and declared full-attention names), one error naming the name and the
+  version for the rest.
 """
 
 from kvcore_sglang.common.build import STRICT_ENV, UnsupportedContext, strict_slots
 from kvcore_sglang.v0_5_23.build import SERVED, build_tree_cache
 from kvcore_sglang.v0_5_23.events import EventTranslator
 from kvcore_sglang.v0_5_23.request_views import KvcoreTreeLock, KvRecordView023, ReqView023, owner_of
-from kvcore_sglang.v0_5_23.tree_cache import KvcoreChunkCache, KvcoreTreeCache
+from kvcore_sglang.v0_5_23.tree_cache import KvcoreChunkCache, KvcoreTreeCache, KvcoreUnifiedTreeCache
 from kvcore_sglang.v0_5_23.version import SGLANG_VERSION
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "KvcoreChunkCache",
     "KvcoreTreeCache",
     "KvcoreTreeLock",
+    "KvcoreUnifiedTreeCache",
     "ReqView023",
     "UnsupportedContext",
     "build_tree_cache",

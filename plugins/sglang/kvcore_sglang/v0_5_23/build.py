@@ -21,13 +21,13 @@ from kvcore_sglang.common.build import (
     tree_options,
 )
 from kvcore_sglang.config import Target
-from kvcore_sglang.v0_5_23.tree_cache import KvcoreChunkCache, KvcoreTreeCache
+from kvcore_sglang.v0_5_23.tree_cache import KvcoreChunkCache, KvcoreTreeCache, KvcoreUnifiedTreeCache
 from kvcore_sglang.v0_5_23.version import SGLANG_VERSION
 
 __all__ = ["SERVED", "build_tree_cache"]
 
 #: What each kvcore backend serves on SGLang 0.5.23 (model kinds); the rest of config.TARGETS is refused by name.
-SERVED: dict[str, tuple[str, ...]] = {"radix": ("full",), "chunk": ("full",)}
+SERVED: dict[str, tuple[str, ...]] = {"radix": ("full",), "unified": ("full",), "chunk": ("full",)}
 
 # What the names SGLang 0.5.23 retired the trees of would serve, and why they are refused.
 _NOT_YET = {
@@ -35,7 +35,12 @@ _NOT_YET = {
            "full + swa), which kvcore-sglang does not serve on 0.5.23 yet",
     "mamba": "SGLang 0.5.23 retired MambaRadixCache (hybrid SSM models run on UnifiedRadixCache with components "
              "full + mamba), which kvcore-sglang does not serve on 0.5.23 yet",
-    "unified": "kvcore-sglang does not serve SGLang 0.5.23's UnifiedRadixCache contract yet",
+}
+
+# Why kvcore-unified refuses the hybrid kinds on SGLang 0.5.23 (it serves component full alone there).
+_UNIFIED_HYBRID = {
+    "hybrid-swa": "kvcore-sglang does not serve SGLang 0.5.23's UnifiedRadixCache with components full + swa yet",
+    "hybrid-ssm": "kvcore-sglang does not serve SGLang 0.5.23's UnifiedRadixCache with components full + mamba yet",
 }
 
 
@@ -54,6 +59,8 @@ def _refuse(target: Target, ctx: Any) -> None:
         problems.append(f"{_NOT_YET[target.backend]} ({instead})")
         problems += shared_refusals(target, ctx, serves=(model_kind(ctx),))
     else:
+        if target.backend == "unified" and model_kind(ctx) in _UNIFIED_HYBRID:
+            problems.append(_UNIFIED_HYBRID[model_kind(ctx)])
         problems += shared_refusals(target, ctx, serves=SERVED.get(target.backend, target.serves), served_by=_served_by)
     if params.eviction_policy_config:
         problems.append("eviction policy options (eviction_policy_config) are not supported by kvcore")
@@ -82,6 +89,11 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")
         cache = build_kvcore(target, "chunk", params, sglang_version=SGLANG_VERSION, strict=False)
         return KvcoreChunkCache(target, cache, params)
+    if target.backend == "unified":
+        # SGLang 0.5.23's default tree on a full-attention model: UnifiedRadixCache with its one component full.
+        cache = build_kvcore(target, "unified", params, sglang_version=SGLANG_VERSION, components=("full",),
+                             **tree_options(params))
+        return KvcoreUnifiedTreeCache(target, cache, params)
     if target.backend != "radix":
         # Another distribution's backend for full-attention models (declared in kvcore_sglang.targets),
         # built as kvcore-radix is: it must be a tree with kvcore's radix node fields.

@@ -25,6 +25,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-
     BasePrefixCache,
     DecLockRefParams,
     DecLockRefResult,
+    EvictParams,
+    EvictResult,
     IncLockRefResult,
     MatchPrefixParams,
     MatchResult,
@@ -35,13 +37,14 @@ from sglang.srt.mem_cache.common import coalesce_ranges  # type: ignore[import-n
 import kvcore
 from kvcore_sglang.common.build import UnsupportedContext
 from kvcore_sglang.common.fill_ids import FillIds, MatchedIds, RequestTables
+from kvcore_sglang.common.pool_views import AllocatorView
 from kvcore_sglang.common.tree_cache import KvcoreCacheCore
 from kvcore_sglang.config import Target
 from kvcore_sglang.v0_5_23.events import EventTranslator
 from kvcore_sglang.v0_5_23.request_views import KvRecordView023, ReqView023, tree_lock
 from kvcore_sglang.v0_5_23.version import SGLANG_VERSION
 
-__all__ = ["KvcoreChunkCache", "KvcoreTreeCache"]
+__all__ = ["KvcoreChunkCache", "KvcoreTreeCache", "KvcoreUnifiedTreeCache"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -148,8 +151,12 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :prompt].to(torch.int64)
         key = kvcore.RadixKey(view.fill_slice(0, prompt), view.extra_key)
+        self._insert_prompt(key, row, min(view.priority + 1, _INT64_MAX))
+
+    def _insert_prompt(self, key: kvcore.RadixKey, row: torch.Tensor, priority: int) -> None:
+        """The split's insert of the prompt's whole pages (already in the tree, on the row's slots)."""
         if self._insert_options:
-            self.kvcore_cache.insert(key, row, priority=min(view.priority + 1, _INT64_MAX), chunked=True)
+            self.kvcore_cache.insert(key, row, priority=priority, chunked=True)
         else:
             # The split alone: a node's priority orders only the priority eviction policy, kvcore-radix's.
             self.kvcore_cache.insert(key, row)
@@ -180,6 +187,33 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
     def take_events(self) -> list:
         self._events.feed(self.kvcore_cache.take_events())
         return self._events.take()
+
+
+class KvcoreUnifiedTreeCache(KvcoreTreeCache):
+    """SGLang 0.5.23's ``UnifiedRadixCache`` with its one component full (a full-attention model), over kvcore's
+    ``unified`` tree (component ``full``).
+
+    Where SGLang's unified tree answers otherwise than its ``RadixCache``: ``total_size`` is a
+    pair (full tokens, tokens of the other components: none here), and its prompt split is an
+    insert that frees the caller's duplicates from ``prev_prefix_len`` on, so it passes the
+    prompt's page-aligned length there (``[0, prompt)`` is the tree's own slots, not duplicates)
+    with ``inserted_len`` the same length (no hit counted) and the priority one higher.
+    """
+
+    def _insert_prompt(self, key: kvcore.RadixKey, row: torch.Tensor, priority: int) -> None:
+        self.kvcore_cache.insert(key, row, prev_prefix_len=len(row), chunked=True, priority=priority)
+
+    def total_size(self) -> Any:
+        return int(self.kvcore_cache.total_size()), 0
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        # SGLang 0.5.23's full component frees each evicted node as a page-exact segment; every free of
+        # kvcore's eviction is of an evicted node's value.  (At page 1 both orders are the same.)
+        alloc = self.kvcore_cache.token_to_kv_pool_allocator
+        if self.page_size == 1 or not isinstance(alloc, AllocatorView):
+            return super().evict(params)
+        with alloc.frees_as_segments():
+            return super().evict(params)
 
 
 class KvcoreChunkCache(KvcoreTreeCache):
