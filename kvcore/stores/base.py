@@ -180,6 +180,17 @@ class KVStore(ABC):
         what it points into (``memoryview.release()`` is not needed).  Same misses, same counters."""
         return self._views(_check_keys(keys))
 
+    def batch_get_unchecked(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """Each value's payload (what follows its frame header) with the frame's length and checksum
+        *not* checked; None where absent or on a failure (never raises).  Only for tests that prove
+        a check matters (garbage read this way reaches the caller); a serving path reads
+        ``batch_get_views`` / ``batch_get_into``.  Counts round trips and failures, not hits or misses."""
+        keys = _check_keys(keys)
+        raw = None if self._closed or not keys else self._guard("get", keys, lambda: self._get_buffers(keys))
+        if raw is None:
+            return [None] * len(keys)
+        return [None if d is None else memoryview(d).cast("B")[FRAME_OVERHEAD:] for d in raw]
+
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Buffer | np.ndarray[Any, Any]]) -> list[bool]:
         """Write the payload under each key into its buffer; whether each buffer now holds it.
 

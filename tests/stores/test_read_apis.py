@@ -114,3 +114,21 @@ def test_check_split_needs_the_real_size() -> None:
 def test_frame_counts_bytes_not_items_of_a_wide_view() -> None:
     floats = memoryview(np.arange(4, dtype=np.float32))
     assert unframe("k", frame("k", floats)) == floats.tobytes()
+
+
+def test_unchecked_reads_hand_over_what_the_checked_ones_refuse_and_never_raise() -> None:
+    s = DictStore()
+    s.batch_set(["good", "bad"], [b"payload", b"payload"])
+    framed = bytearray(s.values["bad"])
+    framed[-1] ^= 0xFF  # the checksum no longer holds
+    s.values["bad"] = bytes(framed)
+    assert s.batch_get_views(["good", "bad"])[1] is None
+    got = s.batch_get_unchecked(["good", "bad", "absent"])
+    assert [None if v is None else bytes(v) for v in got] == [b"payload", bytes(framed[FRAME_OVERHEAD:]), None]
+    before = s.stats()
+    s.fail = True
+    assert s.batch_get_unchecked(["good"]) == [None]
+    assert s.batch_get_unchecked([]) == []
+    with pytest.raises(ValueError):
+        s.batch_get_unchecked([""])
+    assert s.stats()["errors"] == before["errors"] + 1
