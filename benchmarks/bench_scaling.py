@@ -85,8 +85,11 @@ def kvcore_prompt(backend: str, length: int, chunk: int) -> float:
     return spent
 
 
-def kvcore_evict(backend: str, leaves: int, calls: int) -> tuple[float, list[int]]:
-    """(seconds per evict(16) call, the free list after the run) on a tree of ``leaves`` one-page leaves."""
+def kvcore_evict(backend: str, leaves: int, calls: int, free_list: bool = True) -> tuple[float, list[int]]:
+    """(seconds per evict(16) call, the free list after the run) on a tree of ``leaves`` one-page leaves.
+
+    ``free_list`` False (no SGLang peer to compare it with): the free list is not read (a two-pool
+    allocator has no single one)."""
     import kvcore
     from tools.differential import our_free_pages
 
@@ -103,7 +106,7 @@ def kvcore_evict(backend: str, leaves: int, calls: int) -> tuple[float, list[int
         cache.evict(PAGE)
         spent += CLOCK[0]() - t
     assert cache.total_size() == leaves * PAGE
-    return spent / calls, our_free_pages(alloc)
+    return spent / calls, our_free_pages(alloc) if free_list else []
 
 
 # --------------------------------------------------------------------------- SGLang 0.5.19
@@ -208,11 +211,14 @@ def measure(args: argparse.Namespace) -> dict:
         return sglang_prompt(sg, n, args.chunk) if name == "sglang" else kvcore_prompt(name, n, args.chunk)
 
     def evict_run(name: str, n: int) -> tuple[float, list[int]]:
-        return sglang_evict(sg, n, args.evict_calls) if name == "sglang" else kvcore_evict(name, n, args.evict_calls)
+        if name == "sglang":
+            return sglang_evict(sg, n, args.evict_calls)
+        return kvcore_evict(name, n, args.evict_calls, free_list=sg is not None)
 
     for name in names:  # warm-up, untimed: first imports and first-call caches
         prompt_run(name, 2 * args.chunk)
-        evict_run(name, 100)
+        if sizes:
+            evict_run(name, 100)
     for n in lens:
         best = {name: float("inf") for name in names}
         for _ in range(_repeats(args.repeat, n, max(lens))):  # the caches alternate: noise hits all alike
