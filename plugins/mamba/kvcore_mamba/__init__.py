@@ -1,8 +1,9 @@
 """kvcore-mamba: prefix caching for hybrid full-attention + Mamba (state-space) models.
 
-``mamba``  :class:`MambaRadixCache`, SGLang's MambaRadixCache, on a
-:class:`HybridReqToTokenPool` (a req_to_token row and a state slot per request) and a
-:class:`MambaPool` (the states).  Built on kvcore's public tree kit, :mod:`kvcore.tree`.
+``mamba``  the core's one tree (:class:`kvcore.tree.unified.UnifiedRadixCache`) with components
+(full, mamba), SGLang's UnifiedRadixCache, on a :class:`HybridReqToTokenPool` (a req_to_token
+row and a state slot per request) and a :class:`MambaPool` (the states).  This distribution
+contributes the ``mamba`` component (:class:`MambaComponent`).
 """
 
 from importlib.metadata import version
@@ -16,7 +17,7 @@ from kvcore.pools.mamba_pool import (
     mamba_state_of,
 )
 from kvcore_mamba.config import MambaConfig
-from kvcore_mamba.mamba_cache import MambaRadixCache, MambaTreeNode
+from kvcore_mamba.component import MambaComponent, MambaOptions
 
 __version__ = version("kvcore-mamba")
 
@@ -25,10 +26,10 @@ __all__ = [
     "HybridReqToTokenPool",
     "MambaConfig",
     "MambaPool",
-    "MambaRadixCache",
+    "MambaComponent",
+    "MambaOptions",
     "MambaReqState",
     "MambaState",
-    "MambaTreeNode",
     "mamba_state_of",
     "__version__",
 ]

@@ -1,17 +1,18 @@
 """kvcore-swa: sliding-window-attention backends for kvcore.
 
-``swa``       :class:`SWARadixCache`, SGLang's SWARadixCache.
+``swa``       the core's one tree (:class:`kvcore.tree.unified.UnifiedRadixCache`) with components
+              (full, swa): SGLang's UnifiedRadixCache; the ``swa`` component is :class:`SWAComponent`.
 ``swa-chunk`` :class:`SWAChunkCache`, SGLang's SWAChunkCache.
 ``swa-pure``  :class:`PureSWARadixCache`, SGLang's PureSWARadixCache (every layer sliding-window).
 ``swa-pure-chunk`` :class:`PureSWAChunkCache`, SGLang's PureSWAChunkCache.
 
-The tree machinery (nodes, splits, lock walks, LRU lists, KV events) is
-kvcore's public tree kit, :mod:`kvcore.tree`.
+The tree is kvcore's (:mod:`kvcore.tree`); this distribution contributes the ``swa`` component.
 """
 
 from importlib.metadata import version
 
 from kvcore_swa.chunk import SWAChunkCache
+from kvcore_swa.component import SWAComponent, SWAOptions
 from kvcore_swa.config import SWAChunkConfig, SWAConfig, min_swa_size
 from kvcore_swa.pure import (
     PureSWAChunkCache,
@@ -20,13 +21,12 @@ from kvcore_swa.pure import (
     PureSWARadixCache,
     PureSWATokenToKVPoolAllocator,
 )
-from kvcore_swa.tree import SWARadixCache, SWATreeNode
 
 __version__ = version("kvcore-swa")
 
 __all__ = [
-    "SWARadixCache",
-    "SWATreeNode",
+    "SWAComponent",
+    "SWAOptions",
     "SWAChunkCache",
     "SWAConfig",
     "SWAChunkConfig",

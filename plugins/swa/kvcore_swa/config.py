@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import Field, field_validator, model_validator
 
-from kvcore.config import CacheConfig, TreeCacheConfig
+from kvcore.config import CacheConfig
 from kvcore.pool_builder import Placement, PoolBuilder
+from kvcore.tree.unified_config import UnifiedConfig
 
 if TYPE_CHECKING:
     from kvcore.pools import SWATokenToKVPoolAllocator, TokenAllocator
@@ -86,11 +87,17 @@ class SWAPools(PoolBuilder[SWAChunkConfig]):
         return SWATokenToKVPoolAllocator(config.size, config.swa_pool_size, config.page_size, at.torch_device)
 
 
-class SWAConfig(TreeCacheConfig, SWAChunkConfig):
-    """Options of the ``swa`` backend (SGLang's SWARadixCache): the window options and the tree's."""
+class SWAConfig(UnifiedConfig):
+    """Options of the ``swa`` backend: the core's one tree with components (full, swa).
 
-    eviction_policies = ("lru",)
+    The window options are the ``swa`` component's (:class:`kvcore_swa.component.SWAOptions`),
+    declared here so that generic tools (``kvcore bench``, ``kvcore backends``) see them.
+    """
+
+    component_set = ("full", "swa")
     policy_backend = "swa"
-    policy_reason = "it keeps two LRU orders, full and window, as SGLang's SWARadixCache"
+    policy_reason = "each component keeps its own LRU order (full and window), as SGLang's UnifiedRadixCache"
 
-    eviction_policy: str = Field("lru", description="'lru' only: the tree keeps two LRU orders (full and window)")
+    components: tuple[str, ...] = Field(("full", "swa"), description="the component set: ('full', 'swa') only")
+    sliding_window_size: int = Field(1024, description="attention window W in tokens")
+    swa_size: int | None = Field(None, description="window-pool token slots (default: size)")

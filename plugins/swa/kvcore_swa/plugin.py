@@ -1,26 +1,36 @@
-"""Entry point ``swa`` in group ``kvcore``: registers ``swa``, ``swa-chunk``, ``swa-pure`` and ``swa-pure-chunk``."""
+"""Entry point ``swa`` in group ``kvcore``: the ``swa`` component and the backends ``swa``, ``swa-chunk``,
+``swa-pure`` and ``swa-pure-chunk``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kvcore import hookimpl
+from kvcore.tiers import tiered
+from kvcore.tree.unified import UnifiedRadixCache
+from kvcore.tree.unified_config import UnifiedPools, require_full_only
 from kvcore_swa.chunk import SWAChunkCache
+from kvcore_swa.component import SWAComponent, SWAOptions
 from kvcore_swa.config import SWAChunkConfig, SWAConfig, SWAPools
 from kvcore_swa.pure import PureSWAChunkCache, PureSWAChunkConfig, PureSWAConfig, PureSWAPools, PureSWARadixCache
-from kvcore_swa.tree import SWARadixCache
+
+
+@hookimpl
+def kvcore_register_components(register: Callable[..., None]) -> None:
+    register("swa", SWAComponent, options=SWAOptions,
+             description="sliding-window slots: tombstones, window locks, window-only recency")
 
 
 @hookimpl
 def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "swa",
-        SWARadixCache,
+        tiered(UnifiedRadixCache, check=require_full_only),
         config=SWAConfig,
-        pools=SWAPools(),
+        pools=UnifiedPools(),
         description=(
-            "Sliding-window attention radix tree on a full + window pool: tombstones, "
-            "two LRU orders, window-bounded locks (SGLang SWARadixCache)"
+            "Sliding-window attention on the one tree, components (full, swa): tombstones, "
+            "two LRU orders, window-bounded locks (SGLang UnifiedRadixCache)"
         ),
     )
     register(

@@ -1,26 +1,13 @@
-"""kvcore-unified: SGLang's UnifiedRadixCache -- one radix tree whose nodes carry pluggable components."""
+"""kvcore-unified: the ``unified`` backend (SGLang's UnifiedRadixCache) on the core's one component tree."""
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from kvcore_unified.components import FullComponent, SWAComponent
-from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedSWAConfig
-from kvcore_unified.mamba import MambaComponent
-from kvcore_unified.tree import UnifiedNode, UnifiedRadixCache
+from kvcore_unified.config import UnifiedMambaConfig, UnifiedSWAConfig
 
 try:
     __version__ = _version("kvcore-unified")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = [
-    "FullComponent",
-    "MambaComponent",
-    "SWAComponent",
-    "UnifiedConfig",
-    "UnifiedMambaConfig",
-    "UnifiedNode",
-    "UnifiedRadixCache",
-    "UnifiedSWAConfig",
-    "__version__",
-]
+__all__ = ["UnifiedMambaConfig", "UnifiedSWAConfig", "__version__"]

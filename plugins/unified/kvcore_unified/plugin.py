@@ -1,31 +1,26 @@
-"""Entry point ``unified`` in group ``kvcore``: the ``unified`` backend and the ``full``/``swa`` components."""
+"""Entry point ``unified`` in group ``kvcore``: the ``unified`` backend and its two presets.
+
+The tree is the core's (:mod:`kvcore.tree.unified`); the components come from the
+distributions that register them (``full`` from kvcore, ``swa`` from kvcore-swa,
+``mamba`` from kvcore-mamba, a third party's from its own).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 from kvcore import hookimpl
-from kvcore.config import CacheInitParams
 from kvcore.tiers import tiered
-from kvcore_unified.components import FullComponent, SWAComponent, SWAOptions
-from kvcore_unified.config import UnifiedConfig, UnifiedMambaConfig, UnifiedPools, UnifiedSWAConfig
-from kvcore_unified.mamba import MambaComponent, MambaOptions
-from kvcore_unified.tree import UnifiedRadixCache
-
-
-def _full_only(params: CacheInitParams) -> None:
-    # The host tier and the store hold full-attention pages; window and state components have no such page.
-    components = tuple(cast(UnifiedConfig, params.config).components)
-    if components != ("full",):
-        raise ValueError(f"host_size and store need components=('full',), got {components!r}")
+from kvcore.tree.unified import UnifiedRadixCache
+from kvcore.tree.unified_config import UnifiedConfig, UnifiedPools, require_full_only
+from kvcore_unified.config import UnifiedMambaConfig, UnifiedSWAConfig
 
 
 @hookimpl
 def kvcore_register_backends(register: Callable[..., None]) -> None:
     register(
         "unified",
-        tiered(UnifiedRadixCache, check=_full_only),
+        tiered(UnifiedRadixCache, check=require_full_only),
         config=UnifiedConfig,
         pools=UnifiedPools(),
         description=(
@@ -35,7 +30,7 @@ def kvcore_register_backends(register: Callable[..., None]) -> None:
     )
     register(
         "unified-swa",
-        tiered(UnifiedRadixCache, check=_full_only),
+        tiered(UnifiedRadixCache, check=require_full_only),
         config=UnifiedSWAConfig,
         pools=UnifiedPools(),
         description="unified with components (full, swa) by default (its window options declared for the bench)",
@@ -43,18 +38,9 @@ def kvcore_register_backends(register: Callable[..., None]) -> None:
     )
     register(
         "unified-mamba",
-        tiered(UnifiedRadixCache, check=_full_only),
+        tiered(UnifiedRadixCache, check=require_full_only),
         config=UnifiedMambaConfig,
         pools=UnifiedPools(),
         description="unified with components (full, mamba) by default",
         reference="mamba",
     )
-
-
-@hookimpl
-def kvcore_register_components(register: Callable[..., None]) -> None:
-    register("full", FullComponent, description="full-attention KV slots: path locks, leaf eviction by recency")
-    register("swa", SWAComponent, options=SWAOptions,
-             description="sliding-window slots: tombstones, window locks, window-only recency")
-    register("mamba", MambaComponent, options=MambaOptions,
-             description="recurrent-state slots: one per node, single-node locks, copy-on-write on match")

@@ -32,12 +32,12 @@ from kvcore.pools.mamba_pool import (
     mamba_state_of,
 )
 from kvcore.pools.views import PoolView
-from kvcore_unified.components import LRUValueComponent
+from kvcore.tree.value_component import LRUValueComponent
 
 if TYPE_CHECKING:
     from kvcore.pool_builder import Placement
     from kvcore.record import Req, ReqKvInfo
-    from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
+    from kvcore.tree.unified import InsertArgs, UnifiedNode, UnifiedRadixCache
 
 __all__ = ["MambaComponent", "MambaOptions"]
 
@@ -62,6 +62,13 @@ class MambaComponent(LRUValueComponent):
     # -- config hooks ------------------------------------------------------------------
     @staticmethod
     def check_options(config: Any, opts: MambaOptions) -> None:
+        if config.pre_alloc_size:
+            raise ValueError(
+                f"pre_alloc_size={config.pre_alloc_size} is not supported with the mamba component: its rows come "
+                "from a HybridReqToTokenPool (one state slot per row) and SGLang's HybridMambaDecodeReqToTokenPool, "
+                "which adds rows for pre-allocated requests, is not built; leave pre_alloc_size at 0 and count the "
+                "pre-allocated requests in max_num_reqs"
+            )
         opts.check_state_options(config.page_size)
 
     @staticmethod

@@ -54,7 +54,7 @@ from kvcore.tree import (
     tree_lines,
 )
 from kvcore.tree.policies import LRUStrategy
-from kvcore_unified.config import UnifiedConfig
+from kvcore.tree.unified_config import UnifiedConfig
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -920,7 +920,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     # ------------------------------------------------------------------ requests
 
-    def _row(self, kv: ReqKvInfo) -> torch.Tensor:
+    def row(self, kv: ReqKvInfo) -> torch.Tensor:
+        """The req_to_token row ``kv`` registers (a view: components free and read slots through it)."""
         return self.req_to_token_pool.req_to_token[kv.req_pool_idx]
 
     def check_node_locked(self, node: Any, what: str) -> None:
@@ -956,7 +957,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if is_insert:
             ins, eff = self._prepare(req, committed, True)
             aligned = floor_align(min(eff, committed), self.page_size)
-            values = self._row(kv)[:aligned].to(torch.int64, copy=True)
+            values = self.row(kv)[:aligned].to(torch.int64, copy=True)
             if self.strict and aligned > protected:
                 # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
                 self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
@@ -978,7 +979,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         """Insert ``fill_ids[:kv_committed_len]`` of a running request, re-match it and move its lock."""
         kv = req.kv
         committed = kv.kv_committed_len
-        row = self._row(kv)
+        row = self.row(kv)
         if self.disable:
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return

@@ -1,6 +1,8 @@
-"""The ``full`` and ``swa`` tree components (SGLang's FullComponent and SWAComponent).
+"""The ``swa`` tree component (SGLang's SWAComponent): sliding-window slots on the core's one tree.
 
-See :mod:`kvcore.components` for the contract every component follows.
+Window values may be tombstoned; a lock holds the window only as far as the window
+reaches; eviction keeps its own window LRU.  See :mod:`kvcore.components` for the
+contract every component follows.
 """
 
 from __future__ import annotations
@@ -13,208 +15,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvcore.cache import LockResult, SlotOwner
-from kvcore.components import TreeComponent
-from kvcore.tree import LRUList, lock_path, unlock_path
+from kvcore.tree.node import iter_subtree
+from kvcore.tree.value_component import LRUValueComponent
+from kvcore_swa.config import min_swa_size
 
 if TYPE_CHECKING:
     from kvcore.pool_builder import Placement
-    from kvcore_unified.tree import InsertArgs, UnifiedNode, UnifiedRadixCache
+    from kvcore.tree.unified import InsertArgs, UnifiedRadixCache
 
-__all__ = ["FullComponent", "LRUValueComponent", "SWAComponent", "SWAOptions"]
-
-
-class FullComponent(TreeComponent):
-    """Full-attention KV slots on every node: path locks, unlocked leaves evicted by recency."""
-
-    name = "full"
-    pool = "full"
-    internal_priority = 2
-    cache: UnifiedRadixCache
-
-    def reset_state(self) -> None:
-        self._evictable = 0
-        self._protected = 0
-
-    def has_value(self, node: Any) -> bool:
-        return node.value is not None
-
-    def value_len(self, node: Any) -> int:
-        return len(node.key)
-
-    def lock_ref(self, node: Any) -> int:
-        return node.lock_ref
-
-    def added(self, node: UnifiedNode) -> None:
-        self._evictable += len(node.key)
-
-    def owned_slots(self, node: Any) -> Iterator[SlotOwner]:
-        yield SlotOwner("full", f"tree node {node.id} ({len(node.key)} tokens)", node.value)
-
-    def free_value(self, node: Any) -> int:
-        cache = self.cache
-        alloc = cache.token_to_kv_pool_allocator
-        if cache.strict:
-            alloc.disown(node.value)
-        if cache.free_batch is not None:
-            # Freed when the eviction ends (after the tree reports them: ``evicting``), in eviction order.
-            cache.free_batch.append(node.value)
-        else:
-            alloc.free(node.value)
-        n = len(node.key)
-        if node.lock_ref:
-            self._protected -= n
-        else:
-            self._evictable -= n
-        return n
-
-    def lock(self, node: Any, lock: LockResult) -> None:
-        root = self.cache.root_node
-        leaves = self.cache.leaves
-        delta = 0
-        x = node
-        while x is not root:
-            if x.lock_ref == 0:
-                delta += len(x.key)
-                leaves.discard(x)
-            x.lock_ref += 1
-            x = x.parent
-        self._evictable -= delta
-        self._protected += delta
-        lock.delta = delta
-
-    def lock_path(self, path: list, newly: list) -> int:
-        """A full-only tree's lock: ``path`` (leaf first) locked, as ``lock`` does."""
-        delta = lock_path(path, newly)
-        if newly:
-            self.cache.leaves.difference_update(newly)
-        self._evictable -= delta
-        self._protected += delta
-        return delta
-
-    def unlock_path(self, path: list) -> int:
-        """A full-only tree's unlock: as ``unlock``; the nodes whose last lock went may become leaves."""
-        newly: list = []
-        delta = unlock_path(path, newly)
-        leaves = self.cache.leaves
-        for x in newly:
-            if not x.children:
-                leaves.add(x)
-        self._evictable += delta
-        self._protected -= delta
-        return delta
-
-    def unlock(self, node: Any, lock: LockResult | None) -> None:
-        cache = self.cache
-        root = cache.root_node
-        delta = 0
-        x = node
-        while x is not root:
-            if x.lock_ref == 1:
-                delta += len(x.key)
-            x.lock_ref -= 1
-            if x.lock_ref == 0:
-                cache.update_leaf(x)
-            x = x.parent
-        self._evictable += delta
-        self._protected -= delta
-
-    def evict(self, target: int, tracker: dict[str, int]) -> None:
-        cache = self.cache
-        leaves = cache.leaves  # an EvictOrder by recency: a parent left childless is a candidate at once
-        leaves.refresh()
-        while tracker["full"] < target:
-            x = leaves.pop()
-            if x is None:
-                return
-            cache.delete_leaf(x, tracker)
-
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
-    def check_totals(self, root: Any) -> None:
-        from kvcore.tree import iter_subtree
-
-        ev = pr = 0
-        for x in iter_subtree(root):
-            if x.lock_ref:
-                pr += len(x.key)
-            else:
-                ev += len(x.key)
-        assert (ev, pr) == (self._evictable, self._protected), ((ev, pr), (self._evictable, self._protected))
-
-
-class LRUValueComponent(TreeComponent):
-    """A component whose values may be tombstoned, kept in its own LRU list (swa, mamba).
-
-    Its node fields are ``<name>_prev`` / ``<name>_next`` / ``<name>_lock_ref``; ``lru_label``
-    names the list in errors.  Eviction walks that list from its least recently used
-    unlocked end: a leaf goes whole, an internal node loses this component's value only.
-    """
-
-    lru_label = "LRU"
-
-    def reset_state(self) -> None:
-        from kvcore_unified.tree import UnifiedNode
-
-        lock_field = f"{self.name}_lock_ref"
-
-        def sentinel() -> UnifiedNode:
-            n = UnifiedNode()
-            setattr(n, lock_field, 0)  # a component field, set on every node
-            return n
-
-        self.lru = LRUList(sentinel, f"{self.name}_prev", f"{self.name}_next", lock_field, self.lru_label)
-        self._evictable = 0
-        self._protected = 0
-
-    def set_value(self, node: Any, value: torch.Tensor) -> None:
-        """Give ``node`` this component's value (unlocked, most recently used)."""
-        setattr(node, f"{self.name}_value", value)
-        self.lru.add_mru(node)
-        self._evictable += len(value)
-
-    def forget_value(self, node: Any) -> int:
-        """Tombstone ``node`` in this component's books (the caller gave its slots back); returns the units."""
-        n = self.value_len(node)
-        if self.lock_ref(node):
-            self._protected -= n
-        else:
-            self._evictable -= n
-        setattr(node, f"{self.name}_value", None)
-        if node in self.lru:
-            self.lru.remove(node)
-        return n
-
-    def evict(self, target: int, tracker: dict[str, int]) -> None:
-        cache = self.cache
-        lru = self.lru
-        leaves = cache.leaves
-        key = self.pool
-        cursor = lru.lru_unlocked()
-        while True:
-            if cursor is not None and cursor not in lru:
-                cursor = lru.lru_unlocked()
-            if tracker[key] >= target or cursor is None:
-                return
-            x = cursor
-            cursor = lru.prev_unlocked(x)
-            if x in leaves:
-                cache.delete_leaf(x, tracker)
-            else:
-                cache.drop_value(x, self, tracker)
-
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
-
-def min_swa_size(window: int, page_size: int) -> int:
-    return window + 2 * page_size
+__all__ = ["SWAComponent", "SWAOptions"]
 
 
 class SWAOptions(BaseModel):
@@ -352,7 +161,7 @@ class SWAComponent(LRUValueComponent):
         lo = kv.cache_protected_len
         hi = min(kv.swa_evicted_seqlen, kv.kv_committed_len, kv.swa_dead_lo(self.cache.page_size))
         if hi > lo:
-            self.alloc.free_swa(self.cache._row(kv)[lo:hi].to(torch.int64))
+            self.alloc.free_swa(self.cache.row(kv)[lo:hi].to(torch.int64))
         return None
 
     def before_insert(self, value: Any, ins: Any) -> None:
@@ -514,8 +323,6 @@ class SWAComponent(LRUValueComponent):
             assert torch.equal(node.swa_value, self.alloc.translate_loc_from_full_to_swa(node.value)), node
 
     def check_totals(self, root: Any) -> None:
-        from kvcore.tree import iter_subtree
-
         ev = pr = cnt = 0
         for x in iter_subtree(root):
             if x.swa_value is not None:
@@ -526,6 +333,3 @@ class SWAComponent(LRUValueComponent):
                     ev += len(x.key)
         assert (ev, pr) == (self._evictable, self._protected), ((ev, pr), (self._evictable, self._protected))
         assert cnt == self.lru.count, (cnt, self.lru.count)
-
-
-
