@@ -185,7 +185,8 @@ def test_rows_run_out(backend, page):
 
 
 def test_allocation_failure_changes_nothing(backend, page):
-    cache = _build(backend, page, pages=8)
+    # A window of 5 pages: a's window lock holds all of a's cached prompt, so nothing is evictable.
+    cache = _build(backend, page, pages=8, window_pages=5)
     eng = Engine(cache)
     a = Req("a", toks(0, 5 * page))
     assert eng.admit(a) and eng.extend(a)

@@ -179,7 +179,8 @@ def test_offload_keeps_and_restores_the_mamba_state():
     mp.conv[0][:, idx] = -2.0
     backup = eng.retract(r, mode="offload")
     eng.check()
-    assert backup.state is not None and float(backup.state["temporal"].flatten()[0]) == 3.5
+    # The tree saves each component's request state under its name.
+    assert backup.state is not None and float(backup.state["mamba"]["temporal"].flatten()[0]) == 3.5
     assert backup.nbytes >= cache.mamba_pool.slot_bytes
     assert eng.resume(r)
     eng.check([r])

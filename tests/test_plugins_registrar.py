@@ -80,7 +80,7 @@ def test_a_kvcore_prefixed_distribution_is_not_first_party(site):
     assert get_backend("clash-own").distribution == "kvcore-clash"  # its own names are fine
     assert get_device("cpu").distribution == "kvcore"
     assert get_eviction_policy("lru") is not sys.modules["clash_kv"].FakePolicy
-    assert get_component("swa").distribution == "kvcore-unified"
+    assert get_component("swa").distribution == "kvcore-swa"
     errors = _failed("clash_kv")
     assert len(errors) == 5, errors
     for what in ("backend 'radix'", "backend 'chunk'", "device 'cpu'", "eviction policy 'lru'", "component 'swa'"):

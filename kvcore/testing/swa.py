@@ -455,7 +455,9 @@ class SWACacheConformance(PrefixCacheConformance):
         for key in (key_b, key_c):
             m = cache.match_prefix(RadixKey(key))
             locks.append((m.last_device_node, cache.inc_lock_ref(m.last_device_node)))
-        assert cache.swa_protected_size() == 8 * p and cache.full_protected_size() == 12 * p
+        # A window lock holds one window: each leaf is cut at W = 2P below its end (SGLang's
+        # UnifiedRadixCache), so the locks hold 2P window tokens each and the whole full path.
+        assert cache.swa_protected_size() == 4 * p and cache.full_protected_size() == 12 * p
         before = self._avail(cache)
         res = cache.evict(0, 4 * p)
         assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 4 * p)
@@ -529,7 +531,8 @@ class SWACacheConformance(PrefixCacheConformance):
         self._tombstone_shared_prefix(cache, key_b, key_c)
         holder = eng.admit(Req("holder", key_b + [1]))  # locks B (window) and A (full only)
         assert holder.kv.cache_protected_len == 8 * p
-        assert cache.full_protected_size() == 8 * p and cache.swa_protected_size() == 4 * p
+        # The window lock holds one window (W = 2P) of B, the full lock the whole path.
+        assert cache.full_protected_size() == 8 * p and cache.swa_protected_size() == 2 * p
         held = holder.prefix_indices[: 4 * p].clone()
         eng.prefill(holder)
         r = eng.run(key_b[: 4 * p] + _toks(p, 31337), rid="healer")
@@ -566,7 +569,7 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.swa_evictable_size() == 8 * p
         self.swa_engine(cache).check()
 
-    def test_swa_insert_all_dead_tail_is_not_kept(self, swa_cache: Callable[..., Any]) -> None:
+    def test_swa_insert_all_dead_tail_keeps_its_full_slots(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
@@ -574,9 +577,14 @@ class SWACacheConformance(PrefixCacheConformance):
         slots = a.alloc(4 * p)
         before = self._avail(cache)
         cache.insert(RadixKey(_toks(4 * p, 0)), slots, swa_evicted_seqlen=4 * p)
-        # A leaf may not be a tombstone: nothing is kept, and the window side is released too.
-        assert cache.full_evictable_size() == 0 and cache.swa_evictable_size() == 0
-        assert self._pool_deltas(cache, before) == (4 * p, 4 * p)
+        # A leaf whose window is all gone keeps its full slots (a stateless leaf, SGLang's unified
+        # tree): the window side goes back, no match can end there, full eviction takes it.
+        assert cache.full_evictable_size() == 4 * p and cache.swa_evictable_size() == 0
+        assert self._pool_deltas(cache, before) == (0, 4 * p)
+        assert cache.match_prefix(RadixKey(_toks(4 * p, 0))).prefix_len == 0
+        res = cache.evict(p, 0)
+        assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (4 * p, 0)
+        assert cache.total_size() == 0
         self.swa_engine(cache).check()
 
     # ------------------------------------------------------------------ locks
@@ -616,18 +624,18 @@ class SWACacheConformance(PrefixCacheConformance):
         self.swa_engine(cache).check()
 
     def test_swa_window_lock_survives_a_split(self, swa_cache: Callable[..., Any]) -> None:
-        cache = swa_cache(window_pages=3)  # W = 3P: the lock covers the leaf and the middle node
+        cache = swa_cache(window_pages=3)  # W = 3P: the lock covers the leaf and half the middle node
         self._tree_only(cache)
         p = cache.page_size
         eng = self.swa_engine(cache)
         key = self._chain(cache, eng)
         m = cache.match_prefix(RadixKey(key))
         lock = cache.inc_lock_ref(m.last_device_node)
-        assert cache.swa_protected_size() == 4 * p
+        assert cache.swa_protected_size() == 3 * p  # one window
         # Split the middle node [2P, 4P) at 3P, and the leaf at 5P.
         cache.match_prefix(RadixKey(key[: 3 * p] + _toks(p, 99999)))
         cache.match_prefix(RadixKey(key[: 5 * p]))
-        assert cache.swa_protected_size() == 4 * p
+        assert cache.swa_protected_size() == 3 * p
         cache.dec_lock_ref(m.last_device_node, lock)
         assert cache.full_protected_size() == 0 and cache.swa_protected_size() == 0
         self.swa_engine(cache).check()
@@ -725,15 +733,20 @@ class SWACacheConformance(PrefixCacheConformance):
         assert cache.full_evictable_size() == 0 and cache.swa_evictable_size() == 0
         eng.check()
 
-    def test_swa_full_eviction_removes_uncovered_tombstones(self, swa_cache: Callable[..., Any]) -> None:
+    def test_swa_full_eviction_keeps_an_uncovered_tombstone_until_asked(self, swa_cache: Callable[..., Any]) -> None:
         cache = swa_cache()
         self._tree_only(cache)
         p = cache.page_size
         eng = self.swa_engine(cache)
         key_b, key_c = self._two_branches(cache, eng)
         self._tombstone_shared_prefix(cache, key_b, key_c)
-        res = cache.evict(8 * p, 0)  # both leaves, then the tombstone they uncover
-        assert res.num_tokens_evicted == 12 * p and res.swa_num_tokens_evicted == 8 * p
+        before = self._avail(cache)
+        res = cache.evict(8 * p, 0)  # both leaves; the tombstone they uncover is a leaf now, and stays
+        assert res.num_tokens_evicted == 8 * p and res.swa_num_tokens_evicted == 8 * p
+        assert self._pool_deltas(cache, before) == (8 * p, 8 * p)
+        assert cache.total_size() == 4 * p
+        res = cache.evict(1, 0)  # the next full eviction takes it (no window slots left to give)
+        assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (4 * p, 0)
         assert cache.total_size() == 0
         eng.check()
 

@@ -131,8 +131,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self.full: Any = comps[0]  # the full component (FullComponent: added(), ...)
         self.aux: tuple[TreeComponent, ...] = tuple(comps[1:])
         # dec_swa_lock_only answers when a component holds a window lock (swa).
-        self.supports_window_lock_release = any(c.window_lock for c in self.aux)
-        self.windowed = self.supports_window_lock_release
+        self._holds_window_locks = any(c.window_lock for c in self.aux)
+        self.windowed = self._holds_window_locks
         self._node_fields: dict[str, Any] = {}
         for c in self.aux:
             self._node_fields.update(c.node_fields)
@@ -917,6 +917,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             reqs, pre_lens, sliding_window_size=swa.window,  # type: ignore[attr-defined]
             page_size=self.page_size, req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, is_chunk_cache=False)
+
+    @property
+    def supports_window_lock_release(self) -> bool:  # type: ignore[override]
+        """Whether ``dec_swa_lock_only`` answers: a component of the set holds window locks (swa)."""
+        return self._holds_window_locks
 
     # ------------------------------------------------------------------ requests
 

@@ -16,8 +16,8 @@ from kvcore.pools.mamba_pool import (
     MambaState,
     mamba_state_of,
 )
-from kvcore_mamba.config import MambaConfig
 from kvcore_mamba.component import MambaComponent, MambaOptions
+from kvcore_mamba.config import MambaConfig
 
 __version__ = version("kvcore-mamba")
 

@@ -1,28 +1,12 @@
-"""The conformance suite on each component set of ``unified``: generic scenarios, and the SWA ones for (full, swa).
-
-Six SWA scenarios assert the numbers of the legacy ``SWARadixCache`` where SGLang's
-``UnifiedRadixCache`` differs on purpose; the differential test against SGLang's own
-class (``test_sglang_unified_differential.py``) covers those paths instead:
-
-* a new in-window leaf is cut at one window (``_maybe_split_leaf_for_swa_lock``), so a
-  window lock pins one window of tokens, not the whole leaf (the tombstone, heal and
-  split scenarios count the longer legacy lock);
-* a leaf left with its full value alone (all of it outside the window, or its window
-  evicted) stays in the tree; the legacy tree drops such tombstone leaves.
-"""
+"""The conformance suite on each component set of ``unified``: generic scenarios, and the SWA ones for (full, swa)."""
 
 import random
-
-import pytest
 
 from kvcore.keys import RadixKey
 from kvcore.record import floor_align
 from kvcore.testing import PrefixCacheConformance, admit, check_invariants, decode, finish, make_req, prefill
 from kvcore.testing.conformance import _insert_owned, _toks
 from kvcore.testing.swa import SWACacheConformance
-
-LONGER_LEGACY_LOCK = "legacy SWARadixCache numbers: unified cuts a new leaf at one window (SGLang), see the module doc"
-STATELESS_LEAF = "legacy SWARadixCache drops full-only leaves; unified keeps them (SGLang), see the module doc"
 
 
 class TestUnifiedFullConformance(PrefixCacheConformance):
@@ -40,30 +24,6 @@ class TestUnifiedFullSWAConformance(SWACacheConformance):
 
     def self_check(self, cache) -> None:
         cache.sanity_check()
-
-    @pytest.mark.skip(reason=LONGER_LEGACY_LOCK)
-    def test_swa_match_across_tombstone(self):
-        pass
-
-    @pytest.mark.skip(reason=LONGER_LEGACY_LOCK)
-    def test_swa_heal_tombstone(self):
-        pass
-
-    @pytest.mark.skip(reason=LONGER_LEGACY_LOCK)
-    def test_swa_heal_tombstone_under_a_full_lock(self):
-        pass
-
-    @pytest.mark.skip(reason=LONGER_LEGACY_LOCK)
-    def test_swa_window_lock_survives_a_split(self):
-        pass
-
-    @pytest.mark.skip(reason=STATELESS_LEAF)
-    def test_swa_insert_all_dead_tail_is_not_kept(self):
-        pass
-
-    @pytest.mark.skip(reason=STATELESS_LEAF)
-    def test_swa_full_eviction_removes_uncovered_tombstones(self):
-        pass
 
 
 class TestUnifiedFullMambaConformance(PrefixCacheConformance):
