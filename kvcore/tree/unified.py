@@ -117,6 +117,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self.config = config
         self.device = torch.device(self.token_to_kv_pool_allocator.device)
         self.disable = bool(config.disable)
+        self.eviction_policy = str(config.eviction_policy).lower()
         self.enable_kv_events = bool(config.enable_kv_events)
         names = tuple(config.components)
         comps: list[TreeComponent] = []
@@ -929,6 +930,18 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         """The req_to_token row ``kv`` registers (a view: components free and read slots through it)."""
         return self.req_to_token_pool.req_to_token[kv.req_pool_idx]
 
+    def _check_row_claim(self, req: Req, committed: int) -> bool:
+        """With ``strict``: refuse, before any component frees a slot, a row whose new whole pages the tree
+        could not own (free, padding, another owner's); True when checked (the insert then claims unchecked)."""
+        kv = req.kv
+        protected = kv.cache_protected_len
+        aligned = floor_align(committed, self.page_size)
+        if not self.strict or aligned <= protected:
+            return False
+        slots = self.row(kv)[protected:aligned].to(torch.int64)
+        self.token_to_kv_pool_allocator.check_claimable(slots, what=f"request {req.rid!r}")
+        return True
+
     def check_node_locked(self, node: Any, what: str) -> None:
         if node is not self.root_node:
             check_locked(self._path(node, what), node, what)
@@ -960,13 +973,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         ins = None
         result = None
         if is_insert:
+            row_checked = self._check_row_claim(req, committed)
             ins, eff = self._prepare(req, committed, True)
+            ins.row_checked = row_checked
             aligned = floor_align(min(eff, committed), self.page_size)
             values = self.row(kv)[:aligned].to(torch.int64, copy=True)
-            if self.strict and aligned > protected:
-                # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
-                self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
-                ins.row_checked = True
             if aligned > 0:
                 prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins)
                 result = InsertResult(prefix_len, last, duplicates_freed=True)
@@ -992,8 +1003,10 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if not self.aux and self.resume_unfinished(req, chunked):
             return
         ids = request_ids(req, committed)
+        row_checked = self._check_row_claim(req, committed)
         ins, eff = self._prepare(req, committed, False)
         ins.chunked = chunked
+        ins.row_checked = row_checked
         if eff <= 0:
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             for c in self.aux:
@@ -1002,10 +1015,6 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         aligned = floor_align(eff, self.page_size)
         protected = kv.cache_protected_len
         values = row[:aligned].to(torch.int64, copy=True)
-        if self.strict and aligned > protected:
-            # The row's claim, before anything changes (the insert claims the new leaf's slots unchecked).
-            self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
-            ins.row_checked = True
         key = RadixKey(ids[:aligned], req.extra_key)
         prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins) if aligned else (0, None)
         m = self.match_prefix(key, cow_mamba=False, req=req)

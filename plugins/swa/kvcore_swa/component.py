@@ -298,8 +298,12 @@ class SWAComponent(LRUValueComponent):
             if x.swa_value is not None and x.swa_lock_ref > 0 and x.id not in skip:
                 out.append(x)
             if stop and x.swa_uuid == stop:
-                break
+                return out
             x = x.parent
+        if stop:
+            # A stop marker not on the path: the lock is not one inc_lock_ref(node) returned.
+            raise ValueError(f"the window lock's stop marker {stop!r} is not on the path of {node!r}: pass the "
+                             "lock that inc_lock_ref returned for this node (nothing was changed)")
         return out
 
     def release_window(self, node: Any, lock: LockResult | None) -> None:

@@ -1,20 +1,15 @@
-"""Differential check of the sliding-window backends against SGLang 0.5.19's own classes.
+"""Differential check of kvcore-swa's chunk and pure-SWA backends against SGLang 0.5.19's own classes.
 
-Seeded random operation sequences are run through SGLang's ``SWARadixCache`` /
-``SWAChunkCache`` (on its ``SWATokenToKVPoolAllocator``, loaded from source with
-``tools/sglang_swa_shim.py``) and through kvcore-swa's, side by side, on the harness base of
-``tools/differential.py``.  After every operation every answer and size must agree:
+Seeded random operation sequences are run through SGLang's ``SWAChunkCache`` (on its
+``SWATokenToKVPoolAllocator``) and its ``PureSWARadixCache`` / ``PureSWAChunkCache``
+(loaded from source with ``tools/sglang_swa_shim.py``) and through kvcore-swa's, side by
+side, on the harness base of ``tools/differential.py``.  After every operation every
+answer, size, record field and row must agree.
 
-* ``match_prefix``: matched length, the slots returned, where it stopped;
-* ``insert`` (fresh slots, a random ``swa_evicted_seqlen``): ``prefix_len``;
-* ``inc_lock_ref`` / ``dec_lock_ref`` / ``dec_swa_lock_only``: where the window lock stops;
-* ``evict(num_tokens, swa_num_tokens)``: both evicted counts;
-* requests (admit, chunked prefill with ``cache_unfinished_req``, decode with
-  ``free_swa_out_of_window_slots``, ``cache_finished_req``): every record field and
-  the request's row;
-* after every operation: full/window evictable and protected sizes, both pools'
-  available sizes, which full slots still have a window slot, the whole tree (keys,
-  slots, tombstones, both lock counts) and both LRU orders.
+The ``swa`` backend itself is the core's one tree with components (full, swa): it is
+compared with SGLang's ``UnifiedRadixCache`` with the same components
+(``plugins/unified/tests/test_sglang_unified_differential.py``, both names), not with the
+legacy ``SWARadixCache`` (README of kvcore-swa: the differences).
 
 Slots are compared through a pairing made at allocation time (our slot -> SGLang's
 slot), so the two allocators' free-list orders need not agree.
@@ -33,7 +28,7 @@ import torch
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req, create_cache
-from tools.differential import Clock, Harness, ids, load_or_skip, lru_order, path_tokens, tree_rows, window_prompts
+from tools.differential import Clock, Harness, ids, load_or_skip, path_tokens, tree_rows, window_prompts
 from tools.sglang_swa_shim import default_src, load_sglang_swa
 from tools.window_differential import WindowHarness, prefill_chunk
 
@@ -47,49 +42,19 @@ def sg():
 
 
 class Diff(WindowHarness):
-    """SGLang's SWARadixCache / SWAChunkCache and kvcore-swa's, one scenario on both (tools/window_differential)."""
+    """SGLang's SWAChunkCache and kvcore's ``swa-chunk``, one scenario on both (tools/window_differential)."""
 
-    def __init__(self, sg, *, kind: str, page_size: int, window: int, size: int, swa_size: int,
-                 num_reqs: int = 6, max_context_len: int = 256, seed: int = 0, check_lru: bool = True,
-                 evict_floor: bool = False):
+    def __init__(self, sg, *, page_size: int, window: int, size: int, swa_size: int,
+                 num_reqs: int = 6, max_context_len: int = 256, seed: int = 0, evict_floor: bool = False):
         super().__init__(sg, seed=seed, page_size=page_size, window=window, size=size, evict_floor=evict_floor)
-        self.kind = kind
-        self.tree, self.chunk = kind == "tree", kind == "chunk"
-        self.check_lru = check_lru
-        name = "swa" if kind == "tree" else "swa-chunk"
-        self.ours = create_cache(name, size=size, swa_size=swa_size, sliding_window_size=window,
+        self.tree, self.chunk = False, True
+        self.ours = create_cache("swa-chunk", size=size, swa_size=swa_size, sliding_window_size=window,
                                  page_size=page_size, max_num_reqs=num_reqs, max_context_len=max_context_len)
         self.oa = self.ours.token_to_kv_pool_allocator
         self.sa = sg.make_swa_allocator(size, swa_size, page_size)
         self.srtp = sg.make_req_to_token_pool(num_reqs, max_context_len)
-        make = sg.make_radix_cache if kind == "tree" else sg.make_chunk_cache
-        self.theirs = make(self.sa, self.srtp, page_size, window)
+        self.theirs = sg.make_chunk_cache(self.sa, self.srtp, page_size, window)
         self.checker = InvariantChecker(self.ours)
-        self.sglang_undercounts = 0
-
-    # ------------------------------------------------------------------ helpers
-
-    def opath(self, node):
-        return None if node is None else path_tokens(node, self.ours.root_node)
-
-    def spath(self, node):
-        return None if node is None else path_tokens(node, self.theirs.root_node, lambda k: k.token_ids)
-
-    # ------------------------------------------------------------------ state comparison
-
-    def _canon_ours(self):
-        return tree_rows(self.ours.root_node, lambda n: (n.extra_key, self.opath(n), n.tombstone, n.full_lock_ref,
-                                                         n.swa_lock_ref, tuple(self.mapped(n.value))))
-
-    def _canon_theirs(self):
-        return tree_rows(self.theirs.root_node, lambda n: (n.key.extra_key, self.spath(n), bool(n.swa_tombstone),
-                                                           n.full_lock_ref, n.swa_lock_ref, ids(n.value)))
-
-    def _lru_ours(self, lru):
-        return [(n.extra_key, self.opath(n)) for n in lru]
-
-    def _lru_theirs(self, lru):
-        return [(x.key.extra_key, self.spath(x)) for x in lru_order(lru.head, lru.tail, lambda n: getattr(n, lru.prv))]
 
     def compare(self, what: str) -> None:
         o, t = self.ours, self.theirs
@@ -99,11 +64,6 @@ class Diff(WindowHarness):
         for name in ("full_evictable_size", "swa_evictable_size", "full_protected_size", "swa_protected_size"):
             self.eq(f"{what}: {name}", getattr(o, name)(), getattr(t, name)())
         self.eq_window_mapping(what)
-        if self.kind == "tree":
-            self.eq_rows(f"{what}: trees", self._canon_ours(), self._canon_theirs())
-            if self.check_lru:
-                self.eq(f"{what}: full LRU order", self._lru_ours(o.full_lru), self._lru_theirs(t.full_lru_list))
-                self.eq(f"{what}: window LRU order", self._lru_ours(o.swa_lru), self._lru_theirs(t.swa_lru_list))
         for req, sreq, _ in self.live:
             ok, sk = req.kv, sreq.kv
             for f in ("cache_protected_len", "kv_committed_len", "kv_allocated_len", "swa_evicted_seqlen"):
@@ -112,87 +72,39 @@ class Diff(WindowHarness):
             orow = self.ours.req_to_token_pool.req_to_token[ok.req_pool_idx, :n]
             srow = self.srtp.req_to_token[sk.req_pool_idx, :n]
             self.eq(f"{what}: {req.rid} row", self.mapped(orow), srow.tolist())
-            if self.kind == "tree":
-                self.eq(f"{what}: {req.rid}.last_node", self.opath(req.last_node), self.spath(sreq.last_node))
         self.checker.check(owners=[r for r, _, _ in self.live])
-        if self.kind == "tree":
-            o.sanity_check()
-
-    # ------------------------------------------------------------------ allocation
 
     def ensure(self, need: int) -> bool:
-        """SGLang's evict_from_tree_cache on both sides; True if ``need`` slots are then free."""
-        if self.kind == "tree":
-            fa, sa = self.sa.full_available_size(), self.sa.swa_available_size()
-            ofa, osa = self.oa.full_available_size(), self.oa.swa_available_size()
-            if fa < need or sa < need:
-                n, sn = max(0, need - fa), max(0, need - sa)
-                self.log.append(f"evict-for-alloc({n}, {sn})")
-                r = self.their_evict(n, sn)
-                mine = self.ours.evict(max(0, need - ofa), max(0, need - osa))
-                self.eq("evict-for-alloc result", (mine.num_tokens_evicted, mine.swa_num_tokens_evicted), r)
+        """True if ``need`` slots are free on both sides (a chunk cache has nothing to evict)."""
         ok_t = self.sa.available_size() >= need
         self.eq("can allocate", self.oa.available_size() >= need, ok_t)
         return ok_t
 
-    def their_evict(self, n: int, sn: int) -> tuple[int, int]:
-        """SGLang's evict; its full count corrected to the full pool's gain.
 
-        Known difference: SGLang's window phase deletes the tombstone leaves a deleted
-        leaf uncovers without counting them in ``num_tokens_evicted`` (its full phase
-        does count them).  Ours reports the full pool's gain, which the conformance
-        suite requires.  Everything else (sizes, pools, tree) must still agree.
-        """
-        before = self.sa.full_available_size()
-        s = self.theirs.evict(self.sg.EvictParams(num_tokens=n, swa_num_tokens=sn))
-        gain = self.sa.full_available_size() - before
-        if s.num_tokens_evicted != gain:
-            assert s.num_tokens_evicted < gain, (s, gain)
-            self.sglang_undercounts += 1
-        return gain, s.swa_num_tokens_evicted
-
-
-TREE_CONFIGS = [
-    # page_size, window, full pool, window pool
-    (1, 8, 160, 48),
-    (1, 5, 120, 24),
-    (4, 8, 192, 48),
-    (4, 6, 160, 32),
-    (16, 20, 512, 160),
-]
 CHUNK_CONFIGS = [(1, 8, 160, 48), (4, 6, 160, 32), (16, 20, 512, 160)]
 SEEDS = int(os.environ.get("KVCORE_DIFF_SEEDS", "12"))
 OPS = int(os.environ.get("KVCORE_DIFF_OPS", "120"))
 
 
-def run_scenario(sg, kind, ps, W, size, swa, seed, ops=OPS, check_lru=True, evict_floor=False):
-    rng = random.Random(f"{kind}-{ps}-{W}-{seed}")
-    d = Diff(sg, kind=kind, page_size=ps, window=W, size=size, swa_size=swa, seed=seed, check_lru=check_lru,
-             evict_floor=evict_floor)
+def run_scenario(sg, ps, W, size, swa, seed, ops=OPS, evict_floor=False):
+    rng = random.Random(f"chunk-{ps}-{W}-{seed}")
+    d = Diff(sg, page_size=ps, window=W, size=size, swa_size=swa, seed=seed, evict_floor=evict_floor)
     return d.run(ops, window_prompts(rng, ps, W))
-
-
-@pytest.mark.parametrize("ps, W, size, swa", TREE_CONFIGS)
-def test_swa_radix_cache_matches_sglang(sg, ps, W, size, swa):
-    for seed in range(SEEDS):
-        run_scenario(sg, "tree", ps, W, size, swa, seed)
 
 
 @pytest.mark.parametrize("ps, W, size, swa", CHUNK_CONFIGS)
 def test_swa_chunk_cache_matches_sglang(sg, ps, W, size, swa):
     for seed in range(SEEDS):
-        run_scenario(sg, "chunk", ps, W, size, swa, seed)
+        run_scenario(sg, ps, W, size, swa, seed)
 
 
-@pytest.mark.parametrize("kind, ps, W, size, swa", [("tree", *c) for c in TREE_CONFIGS]
-                         + [("chunk", *c) for c in CHUNK_CONFIGS])
-def test_swa_evict_floor_matches_sglang_but_its_window_leak(sg, kind, ps, W, size, swa):
+@pytest.mark.parametrize("ps, W, size, swa", CHUNK_CONFIGS)
+def test_swa_chunk_evict_floor_matches_sglang_but_its_window_leak(sg, ps, W, size, swa):
     """Random floors: everything agrees except the documented leak, asserted slot for slot at each finish."""
     leaks = 0
     for seed in range(max(2, SEEDS // 2)):
-        leaks += run_scenario(sg, kind, ps, W, size, swa, seed, evict_floor=True).sglang_window_leaks
-    if kind == "chunk":
-        assert leaks > 0, "no floor lay above the protected prefix: the leak path went untested"
+        leaks += run_scenario(sg, ps, W, size, swa, seed, evict_floor=True).sglang_window_leaks
+    assert leaks > 0, "no floor lay above the protected prefix: the leak path went untested"
 
 
 # =========================================================================== pure SWA

@@ -1,8 +1,10 @@
-"""kvcore-swa's tree: an eviction gives its slots back in one call per kind, and a request's
-finish is checked before anything changes.
+"""The ``swa`` component set of the one tree: an eviction gives its slots back in one call per kind,
+and a request's finish is checked before anything changes.
 
 An eviction walks the LRU orders first and frees afterwards (live leaves: both pools;
-tombstones: the full pool; nodes tombstoned by the window phase: the window pool).
+stateless leaves: the full pool; nodes tombstoned by the window phase: the window pool).
+A new leaf longer than the window is cut at one window below its end (SGLang's unified
+tree), so with a window of 4 an 8-token insert is two 4-token nodes.
 These tests pin what the pools hold afterwards, the counts ``evict`` reports and the
 ownership records, so that batching can never leak or double-free a slot.
 """
@@ -64,10 +66,11 @@ def test_partial_full_eviction_frees_exactly_the_evicted_nodes(ps):
     insert(cache, list(range(300, 308)))
     a = cache.token_to_kv_pool_allocator
     full, swa = a.full_available_size(), a.swa_available_size()
-    r = cache.evict(12, 0)  # the two oldest leaves
-    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (16, 16)
-    assert a.full_available_size() == full + 16 and a.swa_available_size() == swa + 16
+    r = cache.evict(12, 0)  # three 4-token nodes: the oldest branch whole, the lower half of the next
+    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (12, 12)
+    assert a.full_available_size() == full + 12 and a.swa_available_size() == swa + 12
     assert cache.match_prefix(list(range(300, 308))).device_indices.numel() == 8
+    assert cache.match_prefix(list(range(200, 208))).device_indices.numel() == 4
     assert cache.match_prefix(list(range(100, 108))).device_indices.numel() == 0
     check(cache)
 
@@ -78,11 +81,16 @@ def test_window_eviction_tombstones_internal_nodes_and_deletes_leaves_in_one_wal
     insert(cache, list(range(16)))  # [0, 8) is now internal, [8, 16) its leaf
     a = cache.token_to_kv_pool_allocator
     full, swa = a.full_available_size(), a.swa_available_size()
-    # Oldest first in the window order: the internal node is tombstoned (window side only),
-    # then the leaf goes (both sides) and takes the tombstone it uncovers with it.
+    # Oldest first in the window order: the internal nodes are tombstoned (window side only);
+    # the leaf goes whole (both sides).  What stays is stateless (full slots only) until full
+    # eviction asks for it.
     r = cache.evict(0, 16)
-    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (16, 16)
-    assert a.full_available_size() == full + 16 and a.swa_available_size() == swa + 16
+    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (4, 16)
+    assert a.full_available_size() == full + 4 and a.swa_available_size() == swa + 16
+    assert cache.total_size() == 12 and cache.swa_total_size() == 0
+    check(cache)
+    r = cache.evict(10**6, 0)
+    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (12, 0)
     assert_pools_empty(cache)
     check(cache)
 
@@ -95,11 +103,11 @@ def test_window_eviction_of_a_locked_leaf_keeps_its_full_slots():
     lock = cache.inc_lock_ref(node)
     a = cache.token_to_kv_pool_allocator
     full, swa = a.full_available_size(), a.swa_available_size()
-    # The window lock covers the leaf only (window 4 <= 8 tokens): the internal node can lose its
+    # The window lock covers one window, the 4-token leaf: the three nodes above can lose their
     # window side, the locked leaf cannot.
     r = cache.evict(0, 16)
-    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (0, 8)
-    assert a.full_available_size() == full and a.swa_available_size() == swa + 8
+    assert (r.num_tokens_evicted, r.swa_num_tokens_evicted) == (0, 12)
+    assert a.full_available_size() == full and a.swa_available_size() == swa + 12
     check(cache)
     cache.dec_lock_ref(node, lock)
     r = cache.evict(10**6, 10**6)

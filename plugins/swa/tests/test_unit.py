@@ -1,6 +1,8 @@
 """Unit tests of the swa plugin: registration, options, errors, locks, events, reset."""
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -8,7 +10,8 @@ import kvcore
 from kvcore import InvariantChecker, Req, create_cache
 from kvcore.factory import build_pools
 from kvcore.testing.swa import SWAEngine
-from kvcore_swa import SWAChunkCache, SWAConfig, SWARadixCache
+from kvcore.tree.unified import UnifiedRadixCache
+from kvcore_swa import SWAChunkCache, SWAComponent, SWAConfig
 
 
 def make(name="swa", **kw):
@@ -28,9 +31,12 @@ def check(cache, owners=()):
 
 def test_backends_are_registered_by_the_swa_distribution():
     backends = kvcore.available_backends()
-    for name, cls in (("swa", SWARadixCache), ("swa-chunk", SWAChunkCache)):
+    for name, cls in (("swa", UnifiedRadixCache), ("swa-chunk", SWAChunkCache)):
         spec = backends[name]
-        assert spec.factory is cls and spec.distribution == "kvcore-swa" and spec.description
+        assert isinstance(make(name), cls) and spec.distribution == "kvcore-swa" and spec.description
+    # ``swa`` is the core's one tree with components (full, swa); the window component is this distribution's.
+    assert kvcore.components.get_component("swa").factory is SWAComponent
+    assert kvcore.components.get_component("swa").distribution == "kvcore-swa"
 
 
 @pytest.mark.parametrize("name", ["swa", "swa-chunk"])
@@ -60,7 +66,7 @@ def test_swa_size_defaults_to_size():
             "not a multiple of page_size",
         ),
         (dict(page_size=16, size=500), "not a multiple of page_size"),
-        (dict(bogus=1), "unknown option 'bogus'"),
+        (dict(bogus=1), r"unknown option(\(s\))? 'bogus'"),
     ],
 )
 def test_bad_options_are_rejected_with_clear_messages(name, opts, match):
@@ -78,8 +84,9 @@ def test_only_lru_eviction_policy():
 def test_swa_backends_need_an_swa_allocator():
     cfg = kvcore.CacheConfig(size=64)
     params = build_pools("chunk", cfg)
+    swa_params = dataclasses.replace(params, config=SWAConfig(size=64, sliding_window_size=8))
     with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
-        SWARadixCache(params)
+        UnifiedRadixCache(swa_params)
     with pytest.raises(TypeError, match="SWATokenToKVPoolAllocator"):
         SWAChunkCache(params)
 
@@ -184,25 +191,32 @@ def test_root_and_none_locks_are_no_ops():
 # ---------------------------------------------------------------- tree behaviour details
 
 
-def test_early_window_unlock_of_a_leaf_frees_its_window_at_once():
+def test_early_window_unlock_of_a_leaf_makes_its_window_evictable():
     cache = make(sliding_window_size=4)
     eng = SWAEngine(cache)
-    eng.finish(eng.run(list(range(8)), rid="a"))
+    eng.finish(eng.run(list(range(8)), rid="a"))  # two 4-token nodes: a new leaf is cut at one window
     node = cache.match_prefix(list(range(8))).last_device_node
     lock = cache.inc_lock_ref(node)
-    swa_free = cache.token_to_kv_pool_allocator.swa_available_size()
+    assert cache.cached_sizes() == {"full": (0, 8), "swa": (4, 4)}
+    alloc = cache.token_to_kv_pool_allocator
+    swa_free = alloc.swa_available_size()
     cache.dec_swa_lock_only(node, lock)
-    assert cache.token_to_kv_pool_allocator.swa_available_size() == swa_free + 8
-    assert node.tombstone and cache.swa_total_size() == 0
+    # The full lock still holds the leaf: its window slots stay, evictable (SGLang's unified tree).
+    assert alloc.swa_available_size() == swa_free
+    assert cache.cached_sizes() == {"full": (0, 8), "swa": (8, 0)}
     check(cache)
-    # Dropping the full lock leaves an evictable tombstone leaf (as SGLang); full eviction takes it.
+    res = cache.evict(0, 8)  # window eviction may take them now, the full lock keeps the full slots
+    assert (res.num_tokens_evicted, res.swa_num_tokens_evicted) == (0, 8)
+    assert alloc.swa_available_size() == swa_free + 8 and cache.swa_total_size() == 0
+    check(cache)
+    # Dropping the full lock leaves evictable stateless nodes (as SGLang); full eviction takes them.
     cache.dec_lock_ref(node, lock)
     assert cache.total_size() == 8 and cache.full_evictable_size() == 8 and cache.swa_total_size() == 0
     check(cache)
-    full_free = cache.token_to_kv_pool_allocator.full_available_size()
-    assert cache.evict(1, 0).num_tokens_evicted == 8
+    full_free = alloc.full_available_size()
+    assert cache.evict(8, 0).num_tokens_evicted == 8
     assert cache.total_size() == 0
-    assert cache.token_to_kv_pool_allocator.full_available_size() == full_free + 8
+    assert alloc.full_available_size() == full_free + 8
     check(cache)
 
 
@@ -212,7 +226,8 @@ def test_unfinished_req_moves_its_lock_and_protects_the_prefix():
     req = eng.admit(Req("r", list(range(30))))
     eng.prefill(req, chunk=8)
     assert req.kv.cache_protected_len == 24
-    assert cache.full_protected_size() == 24 and cache.swa_protected_size() == 8
+    # The window lock holds one window (4 tokens) of the request's last node, the full lock its path.
+    assert cache.full_protected_size() == 24 and cache.swa_protected_size() == 4
     # prefix_indices were set by the last cache_unfinished_req (after 24 tokens).
     assert torch.equal(req.prefix_indices, cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :24].long())
     eng.check()
@@ -244,10 +259,11 @@ def test_reset_frees_everything_including_tombstones():
     node_a = cache.match_prefix(key).last_device_node
     node_b = cache.match_prefix(key[:8] + [77] * 4).last_device_node
     la, lb = cache.inc_lock_ref(node_a), cache.inc_lock_ref(node_b)
-    cache.evict(0, 8)  # tombstones the shared [0, 8)
+    # Each lock holds one window (4 tokens): the shared [0, 8) and a's [8, 12) are window-evicted.
+    assert cache.evict(0, 8).swa_num_tokens_evicted == 12
     cache.dec_lock_ref(node_a, la)
     cache.dec_lock_ref(node_b, lb)
-    assert cache.total_size() == 20 and cache.swa_total_size() == 12
+    assert cache.total_size() == 20 and cache.swa_total_size() == 8
     cache.reset()
     a = cache.token_to_kv_pool_allocator
     assert a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
@@ -341,8 +357,8 @@ def test_cached_sizes_name_both_pools():
         "full": (cache.full_evictable_size(), cache.full_protected_size()),
         "swa": (cache.swa_evictable_size(), cache.swa_protected_size()),
     }
-    # One 12-token node: the window lock covers whole nodes.
-    assert cache.cached_sizes() == {"full": (0, 12), "swa": (0, 12)}
+    # The 12-token insert is two nodes, the leaf cut at one window (4): the window lock holds that leaf.
+    assert cache.cached_sizes() == {"full": (0, 12), "swa": (8, 4)}
     cache.dec_lock_ref(node, lock)
     assert make("swa-chunk").cached_sizes() == {"full": (0, 0), "swa": (0, 0)}
 
@@ -407,5 +423,5 @@ def test_swa_plugin_stands_alone():
     pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     assert not any(d.startswith("kvcore-") for d in deps), deps
-    code = "import sys, kvcore_swa; kvcore_swa.SWARadixCache; assert 'kvcore_radix' not in sys.modules"
+    code = "import sys, kvcore_swa; kvcore_swa.SWAComponent; assert 'kvcore_radix' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
