@@ -1,12 +1,12 @@
-"""SGLang's ``MambaRadixCache`` with a real ``HybridReqToTokenPool`` / ``MambaPool``, loaded on CPU.
+"""SGLang's real ``HybridReqToTokenPool`` / ``MambaPool`` (and its Mamba chunk-size setting), loaded on CPU.
 
     from tools.sglang_mamba_shim import load_sglang_mamba
     sg = load_sglang_mamba()          # ImportError without a source tree (KVCORE_SGLANG_SRC)
     pool = sg.make_hybrid_pool(num_reqs=8, mamba_size=6, max_context_len=256)
-    cache = sg.make_mamba_cache(sg.make_allocator(128), pool, chunk_size=4)
     # page size 4: SGLang's extra-buffer mode (ping-pong tracking slots, overlap scheduler)
     pool = sg.make_hybrid_pool(8, 24, 256, extra_buffer=True)
-    cache = sg.make_mamba_cache(sg.make_allocator(128, 4), pool, chunk_size=4, page_size=4, extra_buffer=True)
+
+:mod:`tools.sglang_unified_shim` builds SGLang's ``UnifiedRadixCache`` (full, mamba) on them.
 
 Built on :mod:`tools.sglang_swa_shim`.  On top of it this only:
 
@@ -125,13 +125,6 @@ def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> 
             enable_overlap_schedule=True,
         )
 
-    def make_mamba_cache(alloc: Any, pool: Any, chunk_size: int = 64, page_size: int = 1,
-                         extra_buffer: bool = False) -> Any:
-        set_chunk_size(chunk_size)
-        params = sg.CacheInitParams(disable=False, req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
-                                    page_size=page_size, enable_mamba_extra_buffer=extra_buffer)
-        return mrc.MambaRadixCache(params)
-
     ns = types.SimpleNamespace(**vars(sg))
     ns.mamba_radix_cache = mrc
     ns.MambaRadixCache = mrc.MambaRadixCache
@@ -141,5 +134,4 @@ def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> 
     ns.set_chunk_size = set_chunk_size
     ns.track_like_scheduler = track_like_scheduler
     ns.make_hybrid_pool = make_hybrid_pool
-    ns.make_mamba_cache = make_mamba_cache
     return ns

@@ -102,6 +102,8 @@ class InsertArgs:
     claimed: bool = False
     # A request's row range holding the value's new slots was checked claimable already (the row's claim).
     row_checked: bool = False
+    # The key's length before page alignment (a component whose value describes the key's end checks it).
+    key_len: int = 0
 
 
 class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
@@ -431,7 +433,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             return InsertResult(0, self.root_node, duplicates_freed=True)
         if value.shape[0] != n:
             value = value[:n]
-        ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority)
+        ins = InsertArgs(prev_prefix_len, swa_evicted_seqlen, mamba_value, chunked, priority, key_len=len(ids))
         if not self.aux:
             prefix_len, last = self._insert_full(ids, rk.extra_key, n, value, ins, rk)
             return InsertResult(prefix_len, last, True, False)

@@ -209,8 +209,14 @@ class MambaComponent(LRUValueComponent):
         v = ins.mamba_value
         if v is None:
             return  # before_insert takes a fresh zeroed slot (as the mamba backend does)
-        if not isinstance(v, torch.Tensor) or v.numel() != 1 or v.is_floating_point() or v.dtype == torch.bool:
-            raise ValueError(f"insert: mamba_value must be a one-slot integer tensor, got {v!r}")
+        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool:
+            raise TypeError(f"insert: mamba_value must be an integer tensor of one state slot, got {v!r}")
+        if v.numel() != 1:
+            raise ValueError(f"insert: mamba_value must hold one state slot, got {v.numel()}: {v!r}")
+        if ins.key_len != n:
+            # The state is the model's after the key's last token: it can only sit on a node ending there.
+            raise ValueError(f"insert: a key with a mamba_value must be page-aligned: {ins.key_len} tokens at "
+                             f"page_size={self.cache.page_size}; cut the key to {n} tokens with the state after them")
         v = v.reshape(1).to(torch.int64)
         if self.cache.strict:
             self.mamba_allocator.check_claimable(v, what="insert mamba_value")
@@ -255,7 +261,8 @@ class MambaComponent(LRUValueComponent):
             return None
         donated = self.states.alloc_slot()
         if donated is None:
-            raise RuntimeError("cache_unfinished_req: no state slot free or evictable for the snapshot")
+            # Every state slot is a running request's: this chunk stays uncached (SGLang asserts here).
+            return 0
         self.mamba_pool.copy_from(comp.mamba_pool_idx.reshape(1), donated)
         self.states.state_snapshots += 1
         ins.mamba_value = donated

@@ -168,8 +168,14 @@ def test_mamba_eviction_tombstones_internal_nodes_and_deletes_leaves():
     assert cache.full_evictable_size() == 6 and states(cache) == 1
     assert cache.match_prefix([1, 2, 3, 4, 9]).prefix_len == 0   # a tombstone now
     cache.sanity_check()
-    res = cache.evict(0, mamba_num=1)  # the leaf goes, and the tombstone above it with it
-    assert res.mamba_num_evicted == 1 and res.num_tokens_evicted == 0  # SGLang counts only its own walk
+    res = cache.evict(0, mamba_num=1)  # the leaf goes whole (its full slots counted too)
+    assert res.mamba_num_evicted == 1 and res.num_tokens_evicted == 2
+    # The tombstone above it is a leaf now, with its full slots alone (stateless): it stays until full
+    # eviction asks for it (SGLang's unified tree; its legacy MambaRadixCache deleted it at once).
+    assert cache.total_size() == 4 and states(cache) == 0
+    cache.sanity_check()
+    res = cache.evict(1)
+    assert (res.num_tokens_evicted, res.mamba_num_evicted) == (4, 0)
     assert cache.total_size() == 0
     assert cache.token_to_kv_pool_allocator.available_size() == 256
     check_invariants(cache)
@@ -195,8 +201,8 @@ def test_full_eviction_is_leaf_lru_and_a_hit_refreshes_only_the_used_state():
     put(cache, [2, 2, 2])
     put(cache, [3, 3, 3])
     cache.match_prefix([1, 1, 1])
-    res = cache.evict(3)              # LRU leaf: [2, 2, 2]
-    assert res.num_tokens_evicted == 3 and res.mamba_num_evicted == 0
+    res = cache.evict(3)              # LRU leaf: [2, 2, 2], its state with it (counted)
+    assert res.num_tokens_evicted == 3 and res.mamba_num_evicted == 1
     assert cache.match_prefix([2, 2, 2]).prefix_len == 0
     assert cache.match_prefix([1, 1, 1]).prefix_len == 3 and cache.match_prefix([3, 3, 3]).prefix_len == 3
     # A hit on a child refreshes the child's state only: the parent's state stays old.

@@ -175,12 +175,14 @@ def sgm():
 
 class MambaDiff(UnifiedHarness):
     def __init__(self, sg, *, page_size: int, size: int, mamba_size: int, chunk: int, seed: int,
-                 track_interval: int = 256):
+                 track_interval: int = 256, backend: str = "unified"):
         super().__init__(sg, seed=seed, pair_size=size + page_size + 1)
         self.ps = page_size
         self.size = size
         self.chunk = chunk
-        self.ours = create_cache("unified", components=("full", "mamba"), size=size, page_size=page_size,
+        # ``mamba`` is the same tree with the same components, built under its own name and options.
+        components = {"components": ("full", "mamba")} if backend == "unified" else {}
+        self.ours = create_cache(backend, **components, size=size, page_size=page_size,
                                  max_num_reqs=4, max_context_len=256, mamba_size=mamba_size,
                                  mamba_cache_chunk_size=chunk, mamba_track_interval=track_interval)
         self.oa = self.ours.token_to_kv_pool_allocator
@@ -310,14 +312,16 @@ MAMBA_CONFIGS = [
 ]
 
 
-def run_mamba(sg, ps, size, mamba_size, chunk, seed, ops=OPS):
-    return MambaDiff(sg, page_size=ps, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed).run(ops)
+def run_mamba(sg, ps, size, mamba_size, chunk, seed, ops=OPS, backend="unified"):
+    diff = MambaDiff(sg, page_size=ps, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed, backend=backend)
+    return diff.run(ops)
 
 
+@pytest.mark.parametrize("backend", ["unified", "mamba"])
 @pytest.mark.parametrize("ps, size, mamba_size, chunk", MAMBA_CONFIGS)
-def test_unified_full_mamba_matches_sglang(sgm, ps, size, mamba_size, chunk):
+def test_unified_full_mamba_matches_sglang(sgm, ps, size, mamba_size, chunk, backend):
     for seed in range(SEEDS):
-        run_mamba(sgm, ps, size, mamba_size, chunk, seed)
+        run_mamba(sgm, ps, size, mamba_size, chunk, seed, backend=backend)
 
 
 class MambaReqDiff(MambaDiff):
@@ -477,10 +481,12 @@ class MambaReqDiff(MambaDiff):
         self.eq("drained", (self.oa.available_size(), self.ours.mamba_evictable_size()), (self.size, 0))
 
 
+@pytest.mark.parametrize("backend", ["unified", "mamba"])
 @pytest.mark.parametrize("size, mamba_size, chunk", [(160, 24, 2), (200, 32, 4)])
-def test_unified_full_mamba_requests_match_sglang(sgm, size, mamba_size, chunk):
+def test_unified_full_mamba_requests_match_sglang(sgm, size, mamba_size, chunk, backend):
     for seed in range(SEEDS):
-        MambaReqDiff(sgm, page_size=1, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed).run(OPS)
+        MambaReqDiff(sgm, page_size=1, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed,
+                     backend=backend).run(OPS)
 
 
 class MambaReqDiffPaged(MambaReqDiff):
@@ -614,8 +620,9 @@ class MambaReqDiffPaged(MambaReqDiff):
 
 @pytest.mark.parametrize("size, mamba_size, chunk, interval", [(256, 16, 4, 4), (384, 30, 8, 16), (160, 12, 4, 8)],
                          ids=["tight", "roomy", "scarce"])
-def test_unified_full_mamba_paged_requests_match_sglang(sgm, size, mamba_size, chunk, interval):
+@pytest.mark.parametrize("backend", ["unified", "mamba"])
+def test_unified_full_mamba_paged_requests_match_sglang(sgm, size, mamba_size, chunk, interval, backend):
     """Page size 4 requests (SGLang's extra-buffer mode) against SGLang's own UnifiedRadixCache."""
     for seed in range(SEEDS):
         MambaReqDiffPaged(sgm, page_size=4, size=size, mamba_size=mamba_size, chunk=chunk, seed=seed,
-                          track_interval=interval).run(OPS)
+                          track_interval=interval, backend=backend).run(OPS)
