@@ -41,12 +41,10 @@ from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, EvictParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots, maybe_cache_unfinished_req, release_kv_cache
-from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.plugins import load_plugins
@@ -331,7 +329,7 @@ class SWAWorld(World):
                          head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
         return SWATokenToKVPoolAllocator(size, self.swa_size, page_size, torch.float16, "cpu", pool, False)
 
-    sglang_caches = {"swa": SWARadixCache}
+    # SGLang's own cache here is its UnifiedRadixCache with FULL + SWA (cache_kind "unified-swa").
 
     def room(self) -> int:
         a, c = self.alloc, self.cache
@@ -472,7 +470,7 @@ class MambaWorld(World):
             enable_mamba_extra_buffer=self.extra_buffer, enable_overlap_schedule=True,
         )
 
-    sglang_caches = {"mamba": MambaRadixCache}
+    # SGLang's own cache here is its UnifiedRadixCache with FULL + MAMBA (cache_kind "unified-mamba").
 
     def room(self) -> int:
         return self.alloc.available_size() + self.cache.full_evictable_size()

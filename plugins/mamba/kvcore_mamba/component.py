@@ -258,6 +258,9 @@ class MambaComponent(LRUValueComponent):
                 f"request {req.rid!r} holds no state slot; admit it through kvcore.Engine or a HybridReqToTokenPool")
         if finished:
             ins.mamba_value = comp.mamba_pool_idx.reshape(1).clone()
+            if self.cache.strict:
+                # The state the tree will own, refused before anything changes (as an insert's mamba_value).
+                self.mamba_allocator.check_claimable(ins.mamba_value.to(torch.int64), what=f"request {req.rid!r}")
             return None
         donated = self.states.alloc_slot()
         if donated is None:

@@ -35,11 +35,11 @@ TARGETS: tuple[Target, ...] = (
     Target(name="kvcore-radix", backend="radix", serves=("full",),
            description="kvcore's radix tree (SGLang's RadixCache) for full-attention models"),
     Target(name="kvcore-swa", backend="swa", serves=("hybrid-swa",),
-           description="kvcore's sliding-window tree (SGLang's SWARadixCache) for hybrid SWA models, on SGLang's "
-           "SWATokenToKVPoolAllocator"),
+           description="kvcore's one tree with components full + swa (SGLang's UnifiedRadixCache) for hybrid SWA "
+           "models, on SGLang's SWATokenToKVPoolAllocator"),
     Target(name="kvcore-mamba", backend="mamba", serves=("hybrid-ssm",),
-           description="kvcore's Mamba tree (SGLang's MambaRadixCache) for hybrid SSM models, on SGLang's "
-           "HybridReqToTokenPool and MambaPool"),
+           description="kvcore's one tree with components full + mamba (SGLang's UnifiedRadixCache) for hybrid "
+           "SSM models, on SGLang's HybridReqToTokenPool and MambaPool"),
     Target(name="kvcore-unified", backend="unified", serves=("full", "hybrid-swa", "hybrid-ssm"),
            description="kvcore's unified tree (SGLang's default UnifiedRadixCache): component full for "
            "full-attention models, components full + swa for hybrid SWA models (on SGLang's "

@@ -1,4 +1,9 @@
-"""kvcore-mamba against SGLang 0.5.19's ``MambaRadixCache``, through SGLang's own request path.
+"""kvcore-mamba and kvcore-unified (components full + mamba) against SGLang 0.5.19's ``UnifiedRadixCache``.
+
+On a hybrid SSM model SGLang's default tree is its ``UnifiedRadixCache`` with components FULL
+and MAMBA; ``kvcore-mamba`` is kvcore's one tree with components ("full", "mamba"), the same
+tree ``kvcore-unified`` builds there.  (SGLang's legacy ``MambaRadixCache`` answers otherwise
+in places: kvcore-mamba's README lists where.)
 
 Two worlds, each with SGLang's own pools (``HybridReqToTokenPool`` over a ``MambaPool`` of
 two small layers and its ``MambaSlotAllocator``, a ``TokenToKVPoolAllocator``), run one
@@ -34,14 +39,14 @@ from tools.sglang_request_path_shim import MambaWorld, run_stream
 pytestmark = pytest.mark.usefixtures("sglang_request_path")
 
 # full pool, state slots, mamba_cache_chunk_size
-CONFIGS = [(112, 20, 4), (112, 32, 8), (160, 24, 16)]
+CONFIGS = [(160, 40, 8), (128, 32, 4), (160, 24, 16)]
 
 
 @pytest.mark.parametrize(("size", "mamba_size", "chunk_size"), CONFIGS)
-def test_kvcore_mamba_matches_sglang_mamba_radix_cache(size, mamba_size, chunk_size):
+def test_kvcore_mamba_matches_sglang_unified_radix_cache(size, mamba_size, chunk_size):
     total: Counter = Counter()
     for seed in range(4):
-        total.update(run_stream(seed, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=250,
+        total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=1, steps=250,
                                 world=MambaWorld, size=size,
                                 world_options=dict(mamba_size=mamba_size, chunk_size=chunk_size),
                                 chunks=(4, 8, 16, 1000), enable_kv_cache_events=seed % 2 == 0))
@@ -67,7 +72,7 @@ def test_kvcore_mamba_extra_buffer_matches_sglang(page_size, size, mamba_size, c
     total: Counter = Counter()
     with get_context().override_server_args(mamba_track_interval=interval):
         for seed in range(3):
-            total.update(run_stream(seed, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=page_size,
+            total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=page_size,
                                     steps=250, world=MambaWorld, size=size, finish_weight=1,
                                     world_options=dict(mamba_size=mamba_size, chunk_size=chunk_size,
                                                        extra_buffer=True),
@@ -79,13 +84,13 @@ def test_kvcore_mamba_extra_buffer_matches_sglang(page_size, size, mamba_size, c
 def test_kvcore_mamba_strict_slot_checks_change_nothing(monkeypatch):
     """KVCORE_SGLANG_STRICT=1: kvcore-mamba claims its full slots and state slots in the views of SGLang's pools."""
     monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
-    run_stream(2, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=200, world=MambaWorld,
+    run_stream(2, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=1, steps=200, world=MambaWorld,
                size=112, world_options=dict(mamba_size=24, chunk_size=4), chunks=(4, 8, 1000))
 
 
 def test_kvcore_mamba_disabled_matches_sglang():
     """``disable``: nothing matched or kept, every state slot given back with its request."""
-    run_stream(3, cache_kind="mamba", kvcore_name="kvcore-mamba", page_size=1, steps=150, world=MambaWorld,
+    run_stream(3, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=1, steps=150, world=MambaWorld,
                size=160, world_options=dict(mamba_size=24, chunk_size=4), chunks=(1000,), disable=True)
 
 

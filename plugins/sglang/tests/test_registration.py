@@ -159,11 +159,11 @@ def make_swa_ctx(server_args, *, page_size=1, size=64, size_swa=32, window=8, **
     )
 
 
-@pytest.mark.parametrize(("name", "cls"), [("kvcore-swa", "KvcoreSWATreeCache"),
+@pytest.mark.parametrize(("name", "cls"), [("kvcore-swa", "KvcoreUnifiedSWATreeCache"),
                                           ("kvcore-unified", "KvcoreUnifiedSWATreeCache")])
 def test_create_tree_cache_builds_a_window_tree_on_sglangs_swa_allocator(caplog, name, cls):
-    """kvcore-swa (SWARadixCache) and kvcore-unified, whose SGLang counterpart on a hybrid SWA model is
-    its UnifiedRadixCache with components FULL + SWA."""
+    """kvcore-swa and kvcore-unified: kvcore's one tree with components full + swa, whose SGLang counterpart
+    on a hybrid SWA model is its UnifiedRadixCache with components FULL + SWA."""
     from kvcore_sglang import v0_5_19
 
     load_plugins()
@@ -307,7 +307,7 @@ def test_create_tree_cache_builds_kvcore_mamba_on_sglangs_hybrid_pool(caplog):
     # The extra-buffer strategy with pages: SGLang's scheduler tracks the snapshots.
     with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
         cache = create_tree_cache(make_mamba_ctx(server_args, page_size=4, mamba_size=12, extra_buffer=True))
-    assert cache.kvcore_cache.extra_buffer and cache.kvcore_cache.req_to_token_pool.tracks_states
+    assert cache.kvcore_cache.req_to_token_pool.tracks_states
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,12 @@
-"""kvcore-unified (components full + swa) against SGLang 0.5.19's ``UnifiedRadixCache``, through its request path.
+"""kvcore-unified and kvcore-swa (components full + swa) against SGLang 0.5.19's ``UnifiedRadixCache``.
 
 On a hybrid sliding-window model SGLang's default tree is its ``UnifiedRadixCache`` with
 components FULL and SWA (``registry._create_unified_radix_cache``); ``--radix-cache-backend
 kvcore-unified`` builds kvcore's ``unified`` backend with components ("full", "swa") on the
-same ``SWATokenToKVPoolAllocator``.  Two worlds, each with SGLang's own pools
-(``ReqToTokenPool``, ``SWATokenToKVPoolAllocator`` over its ``SWAKVPool``), run one seeded
-stream (``tools/sglang_request_path_shim.py``): admit (locking as ``PrefillAdder`` does),
+same ``SWATokenToKVPoolAllocator``, and ``kvcore-swa`` its ``swa`` backend, the same tree.
+Two worlds, each with SGLang's own pools (``ReqToTokenPool``, ``SWATokenToKVPoolAllocator``
+over its ``SWAKVPool``), run one seeded stream (``tools/sglang_request_path_shim.py``): admit
+(locking as ``PrefillAdder`` does),
 chunked prefill (SGLang's unified ``cache_unfinished_req`` frees what left the window first,
 ``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``, on by default), decode with the
 scheduler's window steps (``free_swa_out_of_window_slots`` in a free group,
@@ -38,33 +39,40 @@ pytestmark = pytest.mark.usefixtures("sglang_request_path")
 CONFIGS = [(1, 4, 112, 40), (1, 8, 112, 48), (4, 8, 160, 64), (4, 12, 192, 64)]
 
 
-def stream(seed: int, page_size: int, window: int, size: int, swa_size: int, steps: int = 250, **kw) -> Counter:
-    return Counter(run_stream(seed, cache_kind="unified-swa", kvcore_name="kvcore-unified", page_size=page_size,
+NAMES = ["kvcore-unified", "kvcore-swa"]
+
+
+def stream(seed: int, page_size: int, window: int, size: int, swa_size: int, steps: int = 250,
+           name: str = "kvcore-unified", **kw) -> Counter:
+    return Counter(run_stream(seed, cache_kind="unified-swa", kvcore_name=name, page_size=page_size,
                               steps=steps, world=SWAWorld, size=size,
                               world_options=dict(swa_size=swa_size, window=window), chunks=(8, 16, 24),
                               finish_weight=0.7, **kw))
 
 
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(("page_size", "window", "size", "swa_size"), CONFIGS)
-def test_kvcore_unified_swa_matches_sglang_unified_radix_cache(page_size, window, size, swa_size):
+def test_kvcore_unified_swa_matches_sglang_unified_radix_cache(page_size, window, size, swa_size, name):
     total: Counter = Counter()
     for seed in range(4):
-        total.update(stream(seed, page_size, window, size, swa_size, enable_kv_cache_events=seed % 2 == 0))
+        total.update(stream(seed, page_size, window, size, swa_size, name=name, enable_kv_cache_events=seed % 2 == 0))
     # The streams really did each thing (else the comparison proves little).
     for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "alloc_evict", "window_free",
                  "window_lock"):
         assert total[what] > 0, total
 
 
-def test_kvcore_unified_swa_strict_slot_checks_change_nothing(monkeypatch):
+@pytest.mark.parametrize("name", NAMES)
+def test_kvcore_unified_swa_strict_slot_checks_change_nothing(monkeypatch, name):
     """KVCORE_SGLANG_STRICT=1: kvcore's unified tree claims its full slots in the view of SGLang's allocator."""
     monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
-    stream(1, 4, 8, 160, 64, steps=200)
+    stream(1, 4, 8, 160, 64, steps=200, name=name)
 
 
-def test_kvcore_unified_swa_disabled_matches_sglang():
+@pytest.mark.parametrize("name", NAMES)
+def test_kvcore_unified_swa_disabled_matches_sglang(name):
     """``disable``: a chunk cache, as SGLang's disabled UnifiedRadixCache calls itself; whole prompts."""
-    run_stream(5, cache_kind="unified-swa", kvcore_name="kvcore-unified", page_size=4, steps=150, world=SWAWorld,
+    run_stream(5, cache_kind="unified-swa", kvcore_name=name, page_size=4, steps=150, world=SWAWorld,
                size=160, world_options=dict(swa_size=160, window=8), chunks=(1000,), finish_weight=0.7, disable=True)
 
 

@@ -190,7 +190,7 @@ class AllocatorView(_AllocatorCalls):
 class SWAAllocatorView(_AllocatorCalls):
     """kvcore's ``SWATokenToKVPoolAllocator`` over SGLang's (a full and a window pool joined by a map).
 
-    kvcore-swa's tree calls what SGLang's ``SWARadixCache`` calls (``free``,
+    kvcore's (full, swa) tree calls what SGLang's hybrid-SWA trees call (``free``,
     ``free_full``, ``free_swa``, ``free_kv_row_segments``, the full-to-window map
     it re-points when it heals a locked tombstone), all answered by SGLang's own
     allocator, so both free lists and the map are SGLang's.
@@ -205,8 +205,6 @@ class SWAAllocatorView(_AllocatorCalls):
         # The tree owns full-side slots: their claims are the full pool's.
         self.ops = self.full.ops
         self.claims = self.full.claims
-        # Slots freed on the full side only (a tombstone's): SGLang's SWA tree counts some of them apart.
-        self.full_only_freed = 0
 
     @property
     def size_full(self) -> int:
@@ -237,7 +235,6 @@ class SWAAllocatorView(_AllocatorCalls):
 
     def free_full(self, free_index: torch.Tensor) -> None:
         self.sglang.free_full(self._unclaimed(free_index))
-        self.full_only_freed += int(free_index.numel())
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         self.sglang.free_swa(free_index)

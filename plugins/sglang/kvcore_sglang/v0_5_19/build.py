@@ -20,8 +20,6 @@ from kvcore_sglang.common.build import (
 )
 from kvcore_sglang.config import Target
 from kvcore_sglang.v0_5_19.tree_cache import (
-    KvcoreMambaTreeCache,
-    KvcoreSWATreeCache,
     KvcoreTreeCache,
     KvcoreUnifiedMambaTreeCache,
     KvcoreUnifiedSWATreeCache,
@@ -64,19 +62,17 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             target, "radix", params,
             **tree_options(params),
         )
-    elif target.backend == "unified" and ctx.is_hybrid_swa:
-        # SGLang's default tree on a hybrid SWA model: components full + swa on its two-pool allocator.
-        cache = _build(
-            target, "unified", params,
-            components=("full", "swa"),
-            **swa_options(target, params),
-            **tree_options(params),
-        )
+    elif target.backend == "swa" or (target.backend == "unified" and ctx.is_hybrid_swa):
+        # SGLang's default tree on a hybrid SWA model (UnifiedRadixCache): kvcore's one tree with components
+        # full + swa on SGLang's two-pool allocator, under either name.
+        sets = {"components": ("full", "swa")} if target.backend == "unified" else {}
+        cache = _build(target, target.backend, params, **sets, **swa_options(target, params), **tree_options(params))
         return KvcoreUnifiedSWATreeCache(target, cache, params)
-    elif target.backend == "unified" and ctx.is_hybrid_ssm:
+    elif target.backend == "mamba" or (target.backend == "unified" and ctx.is_hybrid_ssm):
         # SGLang's default tree on a hybrid SSM model: components full + mamba on its HybridReqToTokenPool.
-        cache = _build(target, "unified", params, components=("full", "mamba"),
-                              **mamba_options(target, params), **tree_options(params))
+        sets = {"components": ("full", "mamba")} if target.backend == "unified" else {}
+        cache = _build(target, target.backend, params, **sets, **mamba_options(target, params),
+                       **tree_options(params))
         return KvcoreUnifiedMambaTreeCache(target, cache, params)
     elif target.backend == "unified":
         # SGLang's default tree; on a full-attention model its one component is full.
@@ -86,16 +82,6 @@ def build_tree_cache(target: Target, ctx: Any) -> KvcoreTreeCache:
             **tree_options(params),
         )
         return KvcoreUnifiedTreeCache(target, cache, params)
-    elif target.backend == "swa":
-        cache = _build(
-            target, "swa", params,
-            **swa_options(target, params),
-            **tree_options(params),
-        )
-        return KvcoreSWATreeCache(target, cache, params)
-    elif target.backend == "mamba":
-        cache = _build(target, "mamba", params, **mamba_options(target, params), **tree_options(params))
-        return KvcoreMambaTreeCache(target, cache, params)
     elif target.backend == "chunk":
         if params.token_to_kv_pool_allocator is None:
             raise UnsupportedContext(f"--radix-cache-backend {target.name}: needs SGLang's token_to_kv_pool_allocator")

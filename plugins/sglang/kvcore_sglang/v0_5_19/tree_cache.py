@@ -173,21 +173,19 @@ class _FullPoolSizes:
 
 
 class KvcoreSWATreeCache(_FullPoolSizes, KvcoreTreeCache):
-    """SGLang 0.5.19's ``SWARadixCache`` contract answered by kvcore-swa on SGLang's ``SWATokenToKVPoolAllocator``.
+    """The window contract of SGLang 0.5.19's hybrid-SWA trees on kvcore's (full, swa) component set.
 
     On top of the base: the window (``supports_swa``, ``sliding_window_size``), the
     four full/window sizes, ``total_size() -> (full, swa)``, SGLang's window lock
     handles (``swa_uuid_for_lock`` in ``IncLockRefResult``, ``DecLockRefParams`` and
-    ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction.
+    ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction.  Served as SGLang's
+    ``UnifiedRadixCache`` answers it (:class:`KvcoreUnifiedSWATreeCache`), for both
+    ``kvcore-swa`` and ``kvcore-unified``: the two names build the same tree.
     """
 
     req_view: type[SWAReqView] = SWAReqView
-    # SGLang's SWARadixCache reports full + window tokens to its eviction metrics.
-    metrics_count_swa = True
     insert_fields: tuple[str, ...] = ("prev_prefix_len", "swa_evicted_seqlen")
     insert_answers: tuple[str, ...] = ()
-    # SGLang's SWARadixCache leaves out of num_tokens_evicted the tombstone leaves its window phase deletes.
-    uncounted_window_prunes = True
 
     def __init__(self, target: Target, kvcore_cache: Any, params: Any, **kw: Any):
         super().__init__(target, kvcore_cache, params, **kw)
@@ -199,37 +197,12 @@ class KvcoreSWATreeCache(_FullPoolSizes, KvcoreTreeCache):
     # -- eviction and locks
     def evict(self, params: EvictParams) -> EvictResult:
         start = time.perf_counter()
-        if self.uncounted_window_prunes:
-            full, swa = self._evict_counted_as_sglang(params.num_tokens, params.swa_num_tokens)
-        else:
-            done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
-            full, swa = done.num_tokens_evicted, done.swa_num_tokens_evicted
-        self.update_eviction_metrics(full + (swa if self.metrics_count_swa else 0), start)
+        done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
+        full, swa = done.num_tokens_evicted, done.swa_num_tokens_evicted
+        # SGLang's UnifiedRadixCache counts full tokens only in its eviction metrics.
+        self.update_eviction_metrics(full, start)
         self._flush_events()
         return EvictResult(num_tokens_evicted=full, swa_num_tokens_evicted=swa)
-
-    def _evict_counted_as_sglang(self, num_tokens: int, swa_num_tokens: int) -> tuple[int, int]:
-        """kvcore-swa's eviction, its full count as SGLang's ``SWARadixCache`` reports it.
-
-        Both trees evict the same nodes: full leaves first, then the window phase.  SGLang's window
-        phase frees the tombstone leaves a deleted leaf uncovers without counting them, where
-        kvcore's count is the full pool's gain (what kvcore's own ``evict`` answers).  The two
-        phases run as two kvcore calls (the second one's window target less what the first freed,
-        so the same nodes go in the same order), and the second one's tombstone frees (the full
-        side only, ``free_full``) are taken off its count.
-        """
-        tree = self.kvcore_cache
-        view = tree.token_to_kv_pool_allocator
-        full = swa = 0
-        if num_tokens > 0 or swa_num_tokens == 0:
-            done = tree.evict(num_tokens)
-            full, swa = done.num_tokens_evicted, done.swa_num_tokens_evicted
-        if swa < swa_num_tokens:
-            pruned_before = view.full_only_freed
-            done = tree.evict(0, swa_num_tokens=swa_num_tokens - swa)
-            full += done.num_tokens_evicted - (view.full_only_freed - pruned_before)
-            swa += done.swa_num_tokens_evicted
-        return full, swa
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         # SGLang's SWARadixCache reports no delta, only where the window lock stopped.
@@ -315,9 +288,6 @@ class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
     """
 
     req_view = UnifiedSWAReqView
-    metrics_count_swa = False
-    # SGLang's UnifiedRadixCache counts what its eviction frees of the full pool (no short count seen).
-    uncounted_window_prunes = False
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         if not self.disable and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
