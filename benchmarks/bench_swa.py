@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Sliding-window radix-tree throughput: kvcore-swa's SWARadixCache vs SGLang's SWARadixCache.
+"""Sliding-window radix-tree throughput: kvcore's swa (the one tree, components full + swa) vs SGLang's SWARadixCache.
 
 Two traces, both built by ``bench_radix.make_trace`` (``--requests`` requests of
 ``--req-len`` tokens, each starting with one of ``--num-prompts`` shared
@@ -74,16 +74,14 @@ def _keys(trace, mode: str, extra_copy: bool):
 
 
 def ours_insert(trace, ps: int, window: int, key_mode: str, strict: bool, spare: int = 0):
-    from kvcore.factory import build_pools
+    import kvcore
     from kvcore.keys import RadixKey
-    from kvcore_swa import SWAConfig, SWARadixCache
 
     req_len = len(trace[0])
     need = _pages(req_len, ps) * ps
     size = (len(trace) + 1) * need + _pages(spare, ps) * ps
-    config = SWAConfig(size=size, swa_size=size, sliding_window_size=window, page_size=ps, max_num_reqs=1,
-                       max_context_len=need, strict=strict)
-    cache = SWARadixCache(build_pools("swa", config))
+    cache = kvcore.create_cache("swa", size=size, swa_size=size, sliding_window_size=window, page_size=ps,
+                                max_num_reqs=1, max_context_len=need, strict=strict)
     alloc = cache.token_to_kv_pool_allocator.alloc
     slots = [alloc(need)[: len(ids)] for ids in trace]
     mkeys, ikeys = _keys(trace, key_mode, True)

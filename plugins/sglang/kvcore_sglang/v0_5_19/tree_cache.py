@@ -309,7 +309,10 @@ class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
 
 
 class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
-    """SGLang 0.5.19's ``MambaRadixCache`` contract answered by kvcore-mamba on SGLang's ``HybridReqToTokenPool``.
+    """The state contract of SGLang 0.5.19's hybrid-SSM trees on kvcore's (full, mamba) component set.
+
+    Served as SGLang's ``UnifiedRadixCache`` answers it (:class:`KvcoreUnifiedMambaTreeCache`), for
+    both ``kvcore-mamba`` and ``kvcore-unified`` on SGLang's ``HybridReqToTokenPool``.
 
     On top of the base: ``supports_mamba``, the admission match's copy-on-write
     (``MatchPrefixParams.cow_mamba`` with ``req``: a state slot for the request and
