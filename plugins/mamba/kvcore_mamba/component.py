@@ -265,6 +265,7 @@ class MambaComponent(LRUValueComponent):
         donated = self.states.alloc_slot()
         if donated is None:
             # Every state slot is a running request's: this chunk stays uncached (SGLang asserts here).
+            self.states.snapshot_skips += 1
             return 0
         self.mamba_pool.copy_from(comp.mamba_pool_idx.reshape(1), donated)
         self.states.state_snapshots += 1
