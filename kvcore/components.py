@@ -1,10 +1,11 @@
 """Tree components: what one kind of per-token state adds to a shared radix tree.
 
-The ``unified`` backend (kvcore-unified, SGLang 0.5.19's ``UnifiedRadixCache``) keeps
-one radix tree and lets *components* say what each node holds: full-attention KV
-slots (``full``, always first), sliding-window slots (``swa``), recurrent-state
-slots (``mamba``), or a third party's kind.  A distribution adds a kind with the
-``kvcore_register_components`` hook::
+kvcore's one tree (:mod:`kvcore.tree.unified`, SGLang 0.5.19's ``UnifiedRadixCache``)
+lets *components* say what each node holds: full-attention KV slots (``full``, always
+first, from kvcore itself), sliding-window slots (``swa``, from kvcore-swa),
+recurrent-state slots (``mamba``, from kvcore-mamba), or a third party's kind.  The
+backends ``swa``, ``mamba`` and ``unified`` are component sets of that tree.  A
+distribution adds a kind with the ``kvcore_register_components`` hook::
 
     @kvcore.hookimpl
     def kvcore_register_components(register):
