@@ -18,7 +18,7 @@ from kvcore import InvariantChecker, RadixKey, Req
 from kvcore.components import TreeComponent, available_components, component_failures, get_component, reset_components
 from kvcore.plugins import get_plugin_manager
 
-pytest.importorskip("kvcore_unified")
+pytest.importorskip("kvcore_swa")  # the swa component and a first-party name to clash with
 
 
 class StampOptions(BaseModel):
@@ -135,7 +135,7 @@ def stamp_plugin():
 def test_hook_kvcore_register_components(stamp_plugin):
     comps = available_components()
     assert {"full", "swa", "stamp"} <= set(comps)
-    assert comps["full"].distribution == "kvcore-unified"
+    assert comps["full"].distribution == "kvcore"
     assert comps["stamp"].options is StampOptions
     assert get_component("stamp").factory is StampComponent
     with pytest.raises(ValueError, match="unknown component 'nope'.*registered components: .*stamp"):
@@ -147,7 +147,7 @@ def test_a_first_party_name_is_refused():
     pm.register(_ClashPlugin(), name="clash-plugin")
     reset_components()
     try:
-        assert get_component("swa").distribution == "kvcore-unified"
+        assert get_component("swa").distribution == "kvcore-swa"
         assert any("'swa'" in f.error and "refused" in f.error for f in component_failures())
     finally:
         pm.unregister(name="clash-plugin")
