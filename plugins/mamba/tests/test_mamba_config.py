@@ -20,7 +20,8 @@ def test_pre_alloc_size_is_refused_by_the_config():
 
 
 def test_create_cache_names_the_option():
-    with pytest.raises(ConfigError, match=r"backend 'mamba': pre_alloc_size=2 is not supported.*leave pre_alloc_size at 0"):
+    says = r"backend 'mamba': pre_alloc_size=2 is not supported.*leave pre_alloc_size at 0"
+    with pytest.raises(ConfigError, match=says):
         create_cache("mamba", pre_alloc_size=2)
 
 
