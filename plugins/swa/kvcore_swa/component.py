@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvcore.cache import LockResult, SlotOwner
 from kvcore.tree.node import iter_subtree
 from kvcore.tree.value_component import LRUValueComponent
-from kvcore_swa.config import min_swa_size
+from kvcore_swa.config import check_window, check_window_pool
 
 if TYPE_CHECKING:
     from kvcore.pool_builder import Placement
@@ -37,9 +37,7 @@ class SWAOptions(BaseModel):
     @field_validator("sliding_window_size")
     @classmethod
     def _check_window(cls, value: int) -> int:
-        if value <= 0:
-            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
-        return value
+        return check_window(value)
 
 
 class SWAComponent(LRUValueComponent):
@@ -57,18 +55,8 @@ class SWAComponent(LRUValueComponent):
     # -- config hooks ------------------------------------------------------------------
     @staticmethod
     def check_options(config: Any, opts: SWAOptions) -> None:
-        ps = config.page_size
         swa = config.size if opts.swa_size is None else opts.swa_size
-        if swa <= 0:
-            raise ValueError(f"swa_size must be positive, got {swa}")
-        if swa % ps:
-            raise ValueError(f"swa_size={swa} is not a multiple of page_size={ps}; use e.g. {(swa // ps + 1) * ps}")
-        need = min_swa_size(opts.sliding_window_size, ps)
-        if swa < need:
-            raise ValueError(
-                f"swa_size={swa} cannot hold one request's window: sliding_window_size={opts.sliding_window_size} "
-                f"plus two pages of {ps} needs at least {need} window slots"
-            )
+        check_window_pool(swa, opts.sliding_window_size, config.page_size)
 
     @staticmethod
     def build_allocator(config: Any, opts: SWAOptions, at: Placement) -> Any:

@@ -13,7 +13,16 @@ from kvcore.tree.unified_config import UnifiedConfig
 if TYPE_CHECKING:
     from kvcore.pools import SWATokenToKVPoolAllocator, TokenAllocator
 
-__all__ = ["SWAConfig", "SWAChunkConfig", "SWAPools", "SlidingWindowConfig", "min_swa_size", "require_swa_allocator"]
+__all__ = [
+    "SWAChunkConfig",
+    "SWAConfig",
+    "SWAPools",
+    "SlidingWindowConfig",
+    "check_window",
+    "check_window_pool",
+    "min_swa_size",
+    "require_swa_allocator",
+]
 
 
 def require_swa_allocator(allocator: Any, backend: str) -> SWATokenToKVPoolAllocator:
@@ -32,6 +41,29 @@ def min_swa_size(sliding_window_size: int, page_size: int) -> int:
     return sliding_window_size + 2 * page_size
 
 
+def check_window(value: int) -> int:
+    """``sliding_window_size``, if a positive number of tokens; ValueError otherwise."""
+    if value <= 0:
+        raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
+    return value
+
+
+def check_window_pool(swa: int, sliding_window_size: int, page_size: int) -> None:
+    """ValueError unless a window pool of ``swa`` slots is whole pages and holds one request's window."""
+    ps = page_size
+    if swa <= 0:
+        raise ValueError(f"swa_size must be positive, got {swa}")
+    if swa % ps:
+        raise ValueError(f"swa_size={swa} is not a multiple of page_size={ps}; use a window pool such as "
+                         f"{(swa // ps + 1) * ps}")
+    need = min_swa_size(sliding_window_size, ps)
+    if swa < need:
+        raise ValueError(
+            f"swa_size={swa} cannot hold one request's window: sliding_window_size={sliding_window_size} "
+            f"plus two pages of {ps} needs at least {need} window slots"
+        )
+
+
 class SlidingWindowConfig(CacheConfig):
     """The common options plus the attention window ``sliding_window_size`` (every SWA backend)."""
 
@@ -40,9 +72,7 @@ class SlidingWindowConfig(CacheConfig):
     @field_validator("sliding_window_size")
     @classmethod
     def _check_window(cls, value: int) -> int:
-        if value <= 0:
-            raise ValueError(f"sliding_window_size must be a positive number of tokens, got {value}")
-        return value
+        return check_window(value)
 
 
 class SWAChunkConfig(SlidingWindowConfig):
@@ -56,21 +86,7 @@ class SWAChunkConfig(SlidingWindowConfig):
 
     @model_validator(mode="after")
     def _check_swa_pool(self) -> SWAChunkConfig:
-        ps = self.page_size
-        swa = self.swa_pool_size
-        if swa <= 0:
-            raise ValueError(f"swa_size must be positive, got {swa}")
-        if swa % ps:
-            raise ValueError(
-                f"swa_size={swa} is not a multiple of page_size={ps}; "
-                f"use a window pool such as {(swa // ps + 1) * ps}"
-            )
-        need = min_swa_size(self.sliding_window_size, ps)
-        if swa < need:
-            raise ValueError(
-                f"swa_size={swa} cannot hold one request's window: sliding_window_size={self.sliding_window_size} "
-                f"plus two pages of {ps} needs at least {need} window slots"
-            )
+        check_window_pool(self.swa_pool_size, self.sliding_window_size, self.page_size)
         return self
 
     @property
