@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Sliding-window radix-tree throughput: kvcore's swa (the one tree, components full + swa) vs SGLang's SWARadixCache.
+"""Sliding-window radix-tree throughput: kvcore's swa (the one tree, components full + swa) vs SGLang's trees.
 
 Two traces, both built by ``bench_radix.make_trace`` (``--requests`` requests of
 ``--req-len`` tokens, each starting with one of ``--num-prompts`` shared
@@ -20,17 +20,22 @@ Two traces, both built by ``bench_radix.make_trace`` (``--requests`` requests of
   (allocation included, the same work on both sides); ``cache-only`` leaves out the
   engine's part (request rows, slot allocation) and compares what the caches do.
 
-Both caches run the same trace in one process, interleaved, the best of
-``--repeat`` runs kept.  Matched lengths (every request's) and the trees' final
-sizes must agree exactly, or the exit status is 1.
+SGLang's side is two trees (``--sglang-trees``): ``unified``, its ``UnifiedRadixCache``
+with components full + swa, which is what kvcore's ``swa`` answers as, and ``legacy``, its
+``SWARadixCache``, the tree SGLang ran hybrid-SWA models on before.  Every cache runs the
+same trace in one process, interleaved, the best of ``--repeat`` runs kept.  Matched
+lengths (every request's) and the trees' final sizes must agree exactly with the unified
+tree's, or the exit status is 1; against the legacy tree they are only reported (``same``):
+where its eviction and window locks answer otherwise (kvcore-swa's README, "Differences
+from SGLang's legacy SWARadixCache") the figures may differ.
 
 Key modes: ``fresh`` (default) builds a new RadixKey on a new token list for every
 call, as an engine does from a request; ``reused`` gives ``match_prefix`` and
 ``insert`` the same key object (the ``insert`` trace only).
 
 SGLang 0.5.19's own classes are loaded from ``--sglang-src`` (default
-``$KVCORE_SGLANG_SRC``) through ``tools/sglang_swa_shim.py``; without a source tree
-only kvcore's figures are printed.
+``$KVCORE_SGLANG_SRC``) through ``tools/sglang_unified_shim.py`` (which builds on
+``tools/sglang_swa_shim.py``); without a source tree only kvcore's figures are printed.
 
     KVCORE_SGLANG_SRC=/tmp/kvcore-ci-sglang-0.5.19/src python benchmarks/bench_swa.py
     python benchmarks/bench_swa.py --traces finish --windows 128 --page-sizes 1 16 --json
@@ -102,12 +107,19 @@ def ours_insert(trace, ps: int, window: int, key_mode: str, strict: bool, spare:
     return elapsed, matched, (cache.total_size(), cache.swa_total_size()), 0.0
 
 
-def sglang_insert(sg, trace, ps: int, window: int, key_mode: str, spare: int = 0):
+def sglang_cache(sg, tree: str, alloc, rtp, ps: int, window: int):
+    """SGLang's ``UnifiedRadixCache`` (full, swa) or its legacy ``SWARadixCache``."""
+    if tree == "unified":
+        return sg.make_unified_cache(("full", "swa"), alloc, rtp, ps, window=window)
+    return sg.make_radix_cache(alloc, rtp, ps, window)
+
+
+def sglang_insert(sg, tree: str, trace, ps: int, window: int, key_mode: str, spare: int = 0):
     req_len = len(trace[0])
     need = _pages(req_len, ps) * ps
     size = (len(trace) + 1) * need + _pages(spare, ps) * ps
     alloc = sg.make_swa_allocator(size, size, ps)
-    cache = sg.make_radix_cache(alloc, sg.make_req_to_token_pool(1, need), ps, window)
+    cache = sglang_cache(sg, tree, alloc, sg.make_req_to_token_pool(1, need), ps, window)
     T = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
     slots = []
     for ids in trace:
@@ -198,12 +210,12 @@ def ours_finish(trace, ps: int, window: int, batch: int, pool_requests: int, rel
     return elapsed, matched, (cache.total_size(), cache.swa_total_size()), setup
 
 
-def sglang_finish(sg, trace, ps: int, window: int, batch: int, pool_requests: int, release: bool):
+def sglang_finish(sg, tree: str, trace, ps: int, window: int, batch: int, pool_requests: int, release: bool):
     size = _pool_size(trace, ps, pool_requests, batch)
     req_len = len(trace[0])
     alloc = sg.make_swa_allocator(size, size, ps)
     rtp = sg.make_req_to_token_pool(batch, _pages(req_len, ps) * ps)
-    cache = sg.make_radix_cache(alloc, rtp, ps, window)
+    cache = sglang_cache(sg, tree, alloc, rtp, ps, window)
     table = rtp.req_to_token
     SKey, MP, EP = sg.RadixKey, sg.MatchPrefixParams, sg.EvictParams
     free_window = sg.free_swa_out_of_window_slots
@@ -222,7 +234,8 @@ def sglang_finish(sg, trace, ps: int, window: int, batch: int, pool_requests: in
             n = m.device_indices.shape[0]
             matched[i] = n
             req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
-            req.swa_uuid_for_lock = cache.inc_lock_ref(req.last_node).swa_uuid_for_lock
+            res = cache.inc_lock_ref(req.last_node)
+            req.swa_uuid_for_lock, req.skip_lock_node_ids = res.swa_uuid_for_lock, res.skip_lock_node_ids
             ts = _clock()
             rtp.alloc([req])
             kv = req.kv
@@ -251,7 +264,7 @@ def sglang_finish(sg, trace, ps: int, window: int, batch: int, pool_requests: in
                         retain_floor=cache.swa_retain_floor(req))
         for req in live:
             if release and req.swa_uuid_for_lock is not None:
-                cache.dec_swa_lock_only(req.last_node, req.swa_uuid_for_lock)
+                cache.dec_swa_lock_only(req.last_node, req.swa_uuid_for_lock, req.skip_lock_node_ids)
                 req.swa_prefix_lock_released = True
             committed = req.kv.kv_committed_len
             cache.cache_finished_req(req, is_insert=True, kv_len_to_handle=committed)
@@ -272,10 +285,10 @@ def load_sglang(src: str | None):
         return None, "no SGLang source (pass --sglang-src or set KVCORE_SGLANG_SRC)"
     if not os.path.isdir(os.path.join(src, "sglang")):
         return None, f"{src} holds no sglang/ folder"
-    from tools.sglang_swa_shim import load_sglang_swa
+    from tools.sglang_unified_shim import load_sglang_unified
 
     try:
-        return load_sglang_swa(src), src
+        return load_sglang_unified(src), src
     except Exception as exc:  # noqa: BLE001
         return None, f"could not load SGLang from {src}: {type(exc).__name__}: {exc}"
 
@@ -305,6 +318,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-src", default=os.environ.get("KVCORE_SGLANG_SRC"),
                     help="SGLang source root (the folder holding sglang/); default $KVCORE_SGLANG_SRC")
     ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--sglang-trees", nargs="+", choices=["unified", "legacy"], default=["unified", "legacy"],
+                    help="SGLang's trees to run: UnifiedRadixCache (full, swa; kvcore's swa must agree with it) and "
+                         "the legacy SWARadixCache (agreement only reported)")
     ap.add_argument("--no-strict", action="store_true", help="kvcore cache with strict=False")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall: perf_counter; cpu: process_time (steadier when other processes share the cores)")
@@ -326,44 +342,49 @@ def main(argv=None) -> int:
                 for km in (args.key_modes if tr == "insert" else ["fresh"]):
                     cases.append((tr, ps, w, km))
 
+    trees = [] if sg is None else [t for t in ("unified", "legacy") if t in args.sglang_trees]
     rows = []
     ok = True
     for tr, ps, w, km in cases:
         if tr == "insert":
-            ours = partial(ours_insert, trace, ps, w, km, strict, args.spare_tokens)
-            theirs = partial(sglang_insert, sg, trace, ps, w, km, args.spare_tokens)
+            runs = {"ours": partial(ours_insert, trace, ps, w, km, strict, args.spare_tokens)}
+            runs.update({t: partial(sglang_insert, sg, t, trace, ps, w, km, args.spare_tokens) for t in trees})
         else:
-            ours = partial(ours_finish, trace, ps, w, args.batch, args.pool_requests, args.swa_lock_release, strict)
-            theirs = partial(sglang_finish, sg, trace, ps, w, args.batch, args.pool_requests, args.swa_lock_release)
-        best = sbest = None
-        cache_t = scache_t = float("inf")  # best time less the engine's part (rows, allocation)
+            runs = {"ours": partial(ours_finish, trace, ps, w, args.batch, args.pool_requests, args.swa_lock_release,
+                                    strict)}
+            runs.update({t: partial(sglang_finish, sg, t, trace, ps, w, args.batch, args.pool_requests,
+                                    args.swa_lock_release) for t in trees})
+        best: dict = {}
+        cache_t = dict.fromkeys(runs, float("inf"))  # best time less the engine's part (rows, allocation)
         for _ in range(args.repeat):  # interleaved: the box is shared and noisy
-            r = ours()
-            best = r if best is None or r[0] < best[0] else best
-            cache_t = min(cache_t, r[0] - r[3])
-            if sg is not None:
-                r = theirs()
-                sbest = r if sbest is None or r[0] < sbest[0] else sbest
-                scache_t = min(scache_t, r[0] - r[3])
+            for name, run in runs.items():
+                r = run()
+                best[name] = r if name not in best or r[0] < best[name][0] else best[name]
+                cache_t[name] = min(cache_t[name], r[0] - r[3])
+        mine = best["ours"]
         row = {"trace": tr, "page_size": ps, "window": w, "key_mode": km,
-               "ours_req_per_s": args.requests / best[0], "ours_ns_per_token": best[0] * 1e9 / tokens,
-               "ours_cache_ns_per_token": cache_t * 1e9 / tokens,
-               "ours_matched_tokens": sum(best[1]), "ours_cached": list(best[2])}
-        if sbest is not None:
-            same = sbest[1] == best[1] and tuple(sbest[2]) == tuple(best[2])
-            ok &= same
-            row.update({"sglang_req_per_s": args.requests / sbest[0],
-                        "sglang_ns_per_token": sbest[0] * 1e9 / tokens,
-                        "sglang_cache_ns_per_token": scache_t * 1e9 / tokens,
-                        "sglang_matched_tokens": sum(sbest[1]), "sglang_cached": list(sbest[2]),
-                        "speedup": sbest[0] / best[0], "cache_speedup": scache_t / cache_t,
-                        "matched_lengths_identical": same})
+               "ours_req_per_s": args.requests / mine[0], "ours_ns_per_token": mine[0] * 1e9 / tokens,
+               "ours_cache_ns_per_token": cache_t["ours"] * 1e9 / tokens,
+               "ours_matched_tokens": sum(mine[1]), "ours_cached": list(mine[2])}
+        for t in trees:
+            # SGLang's legacy tree keeps the keys it had before its unified tree came (sglang_*, speedup, ...).
+            pre, suf = ("sglang_unified_", "unified_") if t == "unified" else ("sglang_", "")
+            theirs = best[t]
+            same = theirs[1] == mine[1] and tuple(theirs[2]) == tuple(mine[2])
+            if t == "unified":
+                ok &= same
+            row.update({f"{pre}req_per_s": args.requests / theirs[0],
+                        f"{pre}ns_per_token": theirs[0] * 1e9 / tokens,
+                        f"{pre}cache_ns_per_token": cache_t[t] * 1e9 / tokens,
+                        f"{pre}matched_tokens": sum(theirs[1]), f"{pre}cached": list(theirs[2]),
+                        f"{suf}speedup": theirs[0] / mine[0], f"{suf}cache_speedup": cache_t[t] / cache_t["ours"],
+                        f"{suf}matched_lengths_identical": same})
         rows.append(row)
 
     result = {"trace": {k: getattr(args, k) for k in ("requests", "req_len", "num_prompts", "prompt_len", "vocab",
                                                      "seed", "spare_tokens", "batch", "pool_requests",
                                                      "swa_lock_release", "no_strict", "repeat", "clock")},
-              "sglang": how, "rows": rows}
+              "sglang": how, "sglang_trees": trees, "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -371,16 +392,23 @@ def main(argv=None) -> int:
               f"prompts, seed {args.seed}; insert: {args.spare_tokens} spare tokens; "
               f"finish: batch {args.batch}, pools {args.pool_requests} requests, "
               f"swa_lock_release {args.swa_lock_release}; strict {strict}; clock {args.clock}; SGLang: {how}")
+        if trees:
+            print("SGLang trees: " + ", ".join({"unified": "uni = UnifiedRadixCache (full, swa)",
+                                                 "legacy": "leg = legacy SWARadixCache"}[t] for t in trees)
+                  + "; speedup = their time / ours")
         hdr = f"{'trace':>6} {'page':>4} {'window':>6} {'keys':>6} {'ours req/s':>10} {'ours ns/tok':>11}"
-        if sg is not None:
-            hdr += f" {'sgl req/s':>9} {'sgl ns/tok':>10} {'speedup':>8} {'cache-only':>10} {'same':>5}"
+        for t in trees:
+            n = "uni" if t == "unified" else "leg"
+            hdr += f" {n + ' req/s':>9} {n + ' ns/tok':>10} {'speedup':>8} {'cache-only':>10} {'same':>5}"
         print(hdr)
         for r in rows:
             line = (f"{r['trace']:>6} {r['page_size']:>4} {r['window']:>6} {r['key_mode']:>6} "
                     f"{r['ours_req_per_s']:>10.0f} {r['ours_ns_per_token']:>11.1f}")
-            if sg is not None:
-                line += (f" {r['sglang_req_per_s']:>9.0f} {r['sglang_ns_per_token']:>10.1f}"
-                         f" {r['speedup']:>7.2f}x {r['cache_speedup']:>9.2f}x {str(r['matched_lengths_identical']):>5}")
+            for t in trees:
+                pre, suf = ("sglang_unified_", "unified_") if t == "unified" else ("sglang_", "")
+                line += (f" {r[pre + 'req_per_s']:>9.0f} {r[pre + 'ns_per_token']:>10.1f}"
+                         f" {r[suf + 'speedup']:>7.2f}x {r[suf + 'cache_speedup']:>9.2f}x"
+                         f" {str(r[suf + 'matched_lengths_identical']):>5}")
             print(line)
     return 0 if ok else 1
 

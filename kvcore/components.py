@@ -1,18 +1,23 @@
 """Tree components: what one kind of per-token state adds to a shared radix tree.
 
-kvcore's one tree (:mod:`kvcore.tree.unified`, SGLang 0.5.19's ``UnifiedRadixCache``)
+The core's one tree (:mod:`kvcore.tree.unified`, SGLang 0.5.19's ``UnifiedRadixCache``)
 lets *components* say what each node holds: full-attention KV slots (``full``, always
-first, from kvcore itself), sliding-window slots (``swa``, from kvcore-swa),
+first, registered by kvcore itself), sliding-window slots (``swa``, from kvcore-swa),
 recurrent-state slots (``mamba``, from kvcore-mamba), or a third party's kind.  The
-backends ``swa``, ``mamba`` and ``unified`` are component sets of that tree.  A
-distribution adds a kind with the ``kvcore_register_components`` hook::
+backends ``radix`` (kvcore-radix: ``full`` alone, with SGLang RadixCache's answers),
+``swa`` (kvcore-swa), ``mamba`` (kvcore-mamba) and ``unified`` (kvcore-unified, any
+registered set) are component sets of that tree.  A distribution adds a kind with the
+``kvcore_register_components`` hook::
 
     @kvcore.hookimpl
     def kvcore_register_components(register):
         register("sidecar", SidecarComponent, options=SidecarOptions, description="...")
 
 and a cache built with ``create_cache("unified", components=("full", "sidecar"), ...)``
-runs it.  ``full``, ``swa`` and ``mamba`` register through the same hook.
+runs it, as does a backend name of the distribution's own: a
+:class:`kvcore.tree.unified_config.UnifiedConfig` subclass whose ``component_set`` is
+``("full", "sidecar")``.  ``full``, ``swa`` and ``mamba`` register through the same hook;
+``examples/kvcore-example-component`` is a complete third-party component with its backend.
 
 The component interface (:class:`TreeComponent`)
 =================================================
@@ -80,7 +85,7 @@ pools the cache must be built on, ``check_options`` cross-checks its options.
 The other hooks (``touch``, ``after_match``, ``after_insert``, ``finish_match``,
 ``on_match_request``, ``check_insert``, ``before_insert``, ``check``, ``check_totals``,
 ``stats``, ``request_state_slots``, ``backup_request_state``) have do-nothing defaults; see each docstring.
-``tests/test_components.py`` has a complete third-party component in ~100 lines.
+``examples/kvcore-example-component`` (component ``stamp``) is a complete third-party one.
 """
 
 from __future__ import annotations

@@ -1,143 +1,41 @@
 """Tree components as plugins: the ``kvcore_register_components`` hook, the registry, a third party's component.
 
-The third-party component here (``stamp``) is a throwaway written against the
-contract in :mod:`kvcore.components` only: every insert stamps its last node with the
-node's length; a match may end only on a stamped node; a lock covers the node
-itself; its own eviction drops stamps oldest first (internal nodes keep their
-full value, leaves go whole).  Registered with pluggy like a distribution would.
+The third-party component is the guide's example (``examples/kvcore-example-component``,
+component ``stamp``): written against the contract in :mod:`kvcore.components` only, it
+stamps the last node of every insert; a match may end only on a stamped node; a lock
+covers the node itself; its own eviction drops the least recently used stamps
+(internal nodes keep their full value, leaves go whole).  Here it runs in the
+``unified`` backend's component sets; its own tests run its ``example-component`` backend.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 import kvcore
 from kvcore import InvariantChecker, RadixKey, Req
-from kvcore.components import TreeComponent, available_components, component_failures, get_component, reset_components
+from kvcore.components import available_components, component_failures, get_component, reset_components
 from kvcore.plugins import get_plugin_manager
 
 pytest.importorskip("kvcore_swa")  # the swa component and a first-party name to clash with
-
-
-class StampOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    stamp_limit: int = Field(1000, gt=0, description="at most this many stamped nodes")
-
-
-class StampComponent(TreeComponent):
-    name = "stamp"
-    pool = "stamp"
-    internal_priority = 0
-    options = StampOptions
-    node_fields = {"stamp_value": None, "stamp_lock_ref": 0}
-
-    def reset_state(self) -> None:
-        self.stamped: dict[int, object] = {}  # node id -> node, oldest first
-        self._ev = self._pr = 0
-
-    def has_value(self, node):
-        return node.stamp_value is not None
-
-    def value_len(self, node):
-        return 1 if node.stamp_value is not None else 0
-
-    def lock_ref(self, node):
-        return node.stamp_lock_ref
-
-    def free_value(self, node):
-        if node.stamp_lock_ref:
-            self._pr -= 1
-        else:
-            self._ev -= 1
-        node.stamp_value = None
-        self.stamped.pop(node.id, None)
-        return 1
-
-    def on_split(self, upper, child):
-        upper.stamp_value = None  # the stamp stays on the lower half
-        upper.stamp_lock_ref = 0
-
-    def on_insert_commit(self, node, is_new_leaf, ins):
-        if node is self.cache.root_node or node.stamp_value is not None:
-            return
-        if len(self.stamped) >= self.opts.stamp_limit:
-            return
-        node.stamp_value = len(node.key)
-        self.stamped[node.id] = node
-        self._ev += 1
-
-    def lock(self, node, lock):
-        if node.stamp_value is not None:
-            if node.stamp_lock_ref == 0:
-                self._ev -= 1
-                self._pr += 1
-            node.stamp_lock_ref += 1
-            lock.extras["stamp_node"] = node.id
-
-    def unlock(self, node, lock):
-        if lock is not None and lock.extras.get("stamp_node") == node.id and node.stamp_lock_ref:
-            node.stamp_lock_ref -= 1
-            if node.stamp_lock_ref == 0:
-                self._ev += 1
-                self._pr -= 1
-
-    def evict(self, target, tracker):
-        cache = self.cache
-        for node in list(self.stamped.values()):
-            if tracker["stamp"] >= target:
-                return
-            if node.stamp_lock_ref or node.stamp_value is None:
-                continue
-            if node in cache.leaves:
-                cache.delete_leaf(node, tracker)
-            else:
-                cache.drop_value(node, self, tracker)
-
-    def evictable_size(self):
-        return self._ev
-
-    def protected_size(self):
-        return self._pr
-
-    def check_totals(self, root):
-        from kvcore.tree import iter_subtree
-
-        stamped = [x for x in iter_subtree(root) if x.stamp_value is not None]
-        assert len(stamped) == self._ev + self._pr == len(self.stamped)
-
-
-class _StampPlugin:
-    @kvcore.hookimpl
-    def kvcore_register_components(self, register):
-        register("stamp", StampComponent, options=StampOptions, description="a test's stamp per inserted node")
+pytest.importorskip("kvcore_unified")  # the unified backend: any registered component set
+stamp = pytest.importorskip("kvcore_example_component")  # the third party's component
 
 
 class _ClashPlugin:
     @kvcore.hookimpl
     def kvcore_register_components(self, register):
-        register("swa", StampComponent, description="tries to take a first-party name")
+        register("swa", stamp.StampComponent, description="tries to take a first-party name")
 
 
-@pytest.fixture
-def stamp_plugin():
-    pm = get_plugin_manager()
-    pm.register(_StampPlugin(), name="stamp-plugin")
-    reset_components()
-    try:
-        yield
-    finally:
-        pm.unregister(name="stamp-plugin")
-        reset_components()
-
-
-def test_hook_kvcore_register_components(stamp_plugin):
+def test_hook_kvcore_register_components():
     comps = available_components()
     assert {"full", "swa", "stamp"} <= set(comps)
     assert comps["full"].distribution == "kvcore"
-    assert comps["stamp"].options is StampOptions
-    assert get_component("stamp").factory is StampComponent
+    assert comps["stamp"].distribution == "kvcore-example-component"  # through its entry point, like any plugin
+    assert comps["stamp"].options is stamp.StampOptions
+    assert get_component("stamp").factory is stamp.StampComponent
     with pytest.raises(ValueError, match="unknown component 'nope'.*registered components: .*stamp"):
         get_component("nope")
 
@@ -154,7 +52,7 @@ def test_a_first_party_name_is_refused():
         reset_components()
 
 
-def test_component_options_are_validated_per_component(stamp_plugin):
+def test_component_options_are_validated_per_component():
     with pytest.raises(kvcore.ConfigError, match="stamp_limit.*component 'stamp'"):
         kvcore.create_cache("unified", components=("full", "stamp"), stamp_limit=0)
     with pytest.raises(kvcore.ConfigError, match="unknown option.*'stamp_limit'.*components"):
@@ -163,7 +61,7 @@ def test_component_options_are_validated_per_component(stamp_plugin):
         kvcore.create_cache("unified", components=("stamp",))
 
 
-def test_third_party_component_end_to_end(stamp_plugin):
+def test_third_party_component_end_to_end():
     cache = kvcore.create_cache("unified", components=("full", "stamp"), size=256, max_num_reqs=4,
                                 max_context_len=64, stamp_limit=50)
     alloc = cache.token_to_kv_pool_allocator

@@ -72,9 +72,10 @@ def test_a_default_run_splits_its_operations_between_the_backends_page_and_16():
 
 def test_a_page_alignment_bug_is_caught_without_page_size(monkeypatch, capsys):
     # Old: the fuzz ran at page 1 unless told, where an unaligned insert is aligned by chance.
-    import kvcore_radix.radix_cache
+    pytest.importorskip("kvcore_radix")
+    import kvcore.tree.unified
 
-    monkeypatch.setattr(kvcore_radix.radix_cache, "floor_align", lambda n, page: n)
+    monkeypatch.setattr(kvcore.tree.unified, "floor_align", lambda n, page: n)
     run_fuzz("radix", 2000, seed=0, page_size=1)  # invisible at page 1
     with pytest.raises(SystemExit) as exit_info:
         main(["fuzz", "--backend", "radix", "--ops", "4000", "--seed", "0"])

@@ -11,6 +11,7 @@ import kvcore
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "docs" / "writing-a-backend.md").read_text()
 EXAMPLE = ROOT / "examples" / "kvcore-example-backend"
+COMPONENT_EXAMPLE = ROOT / "examples" / "kvcore-example-component"
 
 
 def test_the_readme_links_the_guide():
@@ -32,28 +33,39 @@ def test_every_other_method_is_named_in_the_guide(method):
     assert f"`{method}" in GUIDE, f"the guide does not name BasePrefixCache.{method}"
 
 
-def _kvcore_names_the_example_imports() -> set[str]:
+def _kvcore_names_imported(package: Path) -> set[str]:
     names = set()
-    for path in (EXAMPLE / "kvcore_example").glob("*.py"):
+    for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvcore") \
-                    and not (node.module or "").startswith("kvcore_example"):
+                    and not (node.module or "").startswith(package.name):
                 names.update(a.name for a in node.names)
     return names
 
 
 def test_the_guide_names_everything_the_example_imports():
-    names = _kvcore_names_the_example_imports()
+    names = _kvcore_names_imported(EXAMPLE / "kvcore_example")
     assert {"BasePrefixCache", "Node", "descend", "split_node"} <= names  # the walk found the imports
     missing = sorted(n for n in names if n not in GUIDE)
     assert not missing, f"the example uses {missing}, which the guide never names"
 
 
-def test_the_example_is_a_full_distribution():
-    for part in ("pyproject.toml", "README.md", "kvcore_example/__init__.py", "kvcore_example/py.typed",
+def test_the_guide_names_everything_the_component_example_imports():
+    names = _kvcore_names_imported(COMPONENT_EXAMPLE / "kvcore_example_component")
+    assert {"LRUValueComponent", "UnifiedConfig", "UnifiedRadixCache", "hookimpl"} <= names
+    missing = sorted(n for n in names if n not in GUIDE)
+    assert not missing, f"the component example uses {missing}, which the guide never names"
+
+
+@pytest.mark.parametrize("example, package, entry", [
+    (EXAMPLE, "kvcore_example", 'example = "kvcore_example.plugin"'),
+    (COMPONENT_EXAMPLE, "kvcore_example_component", 'example-component = "kvcore_example_component.plugin"'),
+])
+def test_the_example_is_a_full_distribution(example, package, entry):
+    for part in ("pyproject.toml", "README.md", f"{package}/__init__.py", f"{package}/py.typed",
                  "tests/test_conformance.py"):
-        assert (EXAMPLE / part).is_file(), part
-    assert 'example = "kvcore_example.plugin"' in (EXAMPLE / "pyproject.toml").read_text()
+        assert (example / part).is_file(), part
+    assert entry in (example / "pyproject.toml").read_text()
 
 
 def test_the_guide_says_to_install_the_test_extra():

@@ -321,7 +321,6 @@ class SWAWorld(World):
     def __init__(self, cache_kind: str, *, swa_size: int, window: int, **kw: Any):
         self.swa_size = swa_size
         self.window = window
-        self.cache_kind = cache_kind
         super().__init__(cache_kind, sliding_window_size=window, **kw)
 
     def make_allocator(self, size: int, page_size: int, params: dict) -> Any:
@@ -364,13 +363,10 @@ class SWAWorld(World):
         req.swa_prefix_lock_released = True
 
     def evict(self, n: int, swa_n: int = 0) -> Any:
-        """The eviction's answer (both counts) and the full pool's gain.
+        """The full pool's gain and the window count of an eviction.
 
-        SGLang's ``SWARadixCache`` deletes in its window phase the tombstone leaves a deleted
-        leaf uncovers without counting them in ``num_tokens_evicted`` (its full phase counts
-        them): kvcore-swa answers the same count, so the answer is compared as it is, beside
-        the gain; :attr:`undercounts` counts the answers short of the gain.  Its
-        ``UnifiedRadixCache`` (no short count seen) is compared by the gain and its count.
+        kvcore's count must be the gain; an SGLang count short of its gain is tallied in
+        :attr:`undercounts` (its ``UnifiedRadixCache`` shows none; the streams check that).
         """
         before = self.alloc.full_available_size()
         done = self.cache.evict(EvictParams(num_tokens=n, swa_num_tokens=swa_n))
@@ -378,8 +374,6 @@ class SWAWorld(World):
         if done.num_tokens_evicted != gain:
             assert done.num_tokens_evicted < gain, (done, gain)
             self.undercounts = getattr(self, "undercounts", 0) + 1
-        if self.cache_kind == "swa":
-            return done.num_tokens_evicted, done.swa_num_tokens_evicted, gain
         assert not isinstance(self.cache, KvcoreTreeCache) or done.num_tokens_evicted == gain, (done, gain)
         return gain, done.swa_num_tokens_evicted
 
@@ -402,12 +396,8 @@ class SWAWorld(World):
 
     def state(self) -> dict:
         out = super().state()
-        if self.cache_kind == "swa":
-            # SGLang's SWARadixCache answers the plain sizes by raising: the four above stand for them.
-            del out["evictable"], out["protected"]
-        else:
-            # Its UnifiedRadixCache answers them with the full pool's.
-            out["evictable"], out["protected"] = self.cache.evictable_size(), self.cache.protected_size()
+        # SGLang's UnifiedRadixCache answers the plain sizes with the full pool's.
+        out["evictable"], out["protected"] = self.cache.evictable_size(), self.cache.protected_size()
         out["total"] = self.cache.total_size()
         return out
 
@@ -576,8 +566,8 @@ class MambaWorld(World):
 
     def state(self) -> dict:
         out = super().state()
-        # SGLang's MambaRadixCache answers the plain sizes by raising: the four above stand for them.
-        del out["evictable"], out["protected"]
+        # SGLang's UnifiedRadixCache answers the plain sizes with the full pool's.
+        out["evictable"], out["protected"] = self.cache.evictable_size(), self.cache.protected_size()
         out["total"] = self.cache.total_size()
         return out
 
@@ -617,7 +607,8 @@ class MambaWorld(World):
 
 
 def mamba_tree_dump(root: Any) -> list:
-    """Every node of a Mamba tree (SGLang's or kvcore-mamba's): (path, slots, full lock, state lock, state), sorted."""
+    """Every node of a tree with a mamba component (SGLang's or kvcore's): (path, slots, full lock, state lock,
+    state), sorted."""
     out = []
     stack = [((), root)]
     while stack:
@@ -634,27 +625,23 @@ def mamba_tree_dump(root: Any) -> list:
 
 
 def mamba_state(node: Any) -> tuple:
-    """(full slots, full lock, state lock, state slot) of a node of a Mamba tree, whichever layout.
+    """(full slots, full lock, state lock, state slot) of a node of a tree with a mamba component.
 
-    SGLang's unified node keeps them in its FULL and MAMBA component data; its
-    MambaRadixCache node in ``value``, ``full_lock_ref``, ``mamba_lock_ref`` and
-    ``mamba_value``; kvcore's nodes (mamba and unified) in ``value``, ``lock_ref``,
-    ``mamba_lock_ref`` and ``mamba_value``.
+    SGLang's unified node keeps them in its FULL and MAMBA component data; kvcore's unified
+    node in ``value``, ``lock_ref``, ``mamba_lock_ref`` and ``mamba_value``.
     """
     data = getattr(node, "component_data", None)
     if data is not None:
         full, state = data[ComponentType.FULL], data[ComponentType.MAMBA]
         return full.value, full.lock_ref, state.lock_ref, state.value
-    lock = node.full_lock_ref if hasattr(node, "full_lock_ref") else node.lock_ref
-    return node.value, lock, node.mamba_lock_ref, node.mamba_value
+    return node.value, node.lock_ref, node.mamba_lock_ref, node.mamba_value
 
 
 def window_state(node: Any) -> tuple | None:
     """(full lock, window lock, tombstone) of a node of a windowed tree; None for a full-only tree's node.
 
     SGLang's unified node keeps them in its FULL and SWA component data; kvcore's unified
-    node in ``lock_ref``, ``swa_lock_ref`` and ``swa_value``; SWARadixCache's and kvcore-swa's
-    in ``full_lock_ref``, ``swa_lock_ref`` and ``swa_tombstone``.
+    node in ``lock_ref``, ``swa_lock_ref`` and ``swa_value``.
     """
     data = getattr(node, "component_data", None)
     if data is not None:
@@ -664,8 +651,6 @@ def window_state(node: Any) -> tuple | None:
         return data[ComponentType.FULL].lock_ref, swa.lock_ref, swa.value is None
     if hasattr(node, "swa_value"):
         return node.lock_ref, node.swa_lock_ref, node.swa_value is None
-    if hasattr(node, "swa_lock_ref"):
-        return node.full_lock_ref, node.swa_lock_ref, bool(node.swa_tombstone)
     return None
 
 
@@ -673,7 +658,7 @@ def tree_dump(root: Any) -> list:
     """Every node as (path of token ids, its slots, lock_ref[, window lock, tombstone]), sorted: the same for both.
 
     SGLang's unified nodes keep the full value and lock in their FULL component's data;
-    SWA nodes (SGLang's and kvcore-swa's) add the window lock and the tombstone mark.
+    nodes with a swa component (SGLang's and kvcore's) add the window lock and the tombstone mark.
     """
     out = []
     stack = [((), root)]
@@ -755,9 +740,9 @@ def run_stream(seed: int, *, cache_kind: str, kvcore_name: str, page_size: int, 
             base = rng.choice(prompts)
             ids = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(1, 40) for _ in range(rng.randrange(0, 24))]
             while stateful and page_size > 1 and len(ids) <= page_size:
-                # SGLang 0.5.19's MambaRadixCache (pages) splits a node at 0 when the admission key's limit
-                # (prompt - 1) ends inside a child's first page, and later fails deleting that empty node
-                # ("parent does not have child key"); kvcore-mamba cuts the key first. Prompts past one page.
+                # Prompts past one page with pages: kept from the streams against SGLang 0.5.19's former
+                # MambaRadixCache (it failed on an admission key ending inside a child's first page), so
+                # the streams draw as before.
                 ids.append(rng.randrange(1, 40))
             rid = f"r{next_id}"
             next_id += 1

@@ -7,9 +7,13 @@
     pure = sg.make_pure_radix_cache(sg.make_pure_allocator(256), sg.make_req_to_token_pool(8, 512), 1, 8)
 
 On top of the loader this only executes ``pure_swa_radix_cache.py`` from source too and
-builds SGLang's ``SWARadixCache`` / ``SWAChunkCache`` / ``PureSWA*`` caches on its
+builds SGLang's ``SWAChunkCache`` / ``PureSWA*`` caches and its legacy ``SWARadixCache`` on its
 ``SWATokenToKVPoolAllocator`` / ``PureSWATokenToKVPoolAllocator`` (a buffer-less
-``BaseSWAKVPool`` under them).  Nothing of SGLang is copied into this repository.
+``BaseSWAKVPool`` under them).  ``SWARadixCache`` is no longer what kvcore's ``swa`` answers
+as (that is SGLang's ``UnifiedRadixCache`` with components full + swa,
+:mod:`tools.sglang_unified_shim`); it stays for ``benchmarks/bench_swa.py``'s speed
+comparison and for the tests that pin where the two SGLang trees answer differently.
+Nothing of SGLang is copied into this repository.
 """
 
 from __future__ import annotations
@@ -58,11 +62,9 @@ def load_sglang_swa(src: str | None = None, *, real: tuple[str, ...] = ()) -> ty
 
     ns = types.SimpleNamespace(**vars(sg))
     ns.free_out_of_window = free_out_of_window
-    ns.swa_radix_cache = swa_rc
     ns.chunk_cache = chunk
     ns.SWARadixCache = swa_rc.SWARadixCache
     ns.SWAChunkCache = chunk.SWAChunkCache
-    ns.SWATreeNode = swa_rc.TreeNode
     ns.make_swa_allocator = make_swa_allocator
     ns.make_pure_allocator = make_pure_allocator
     ns.make_radix_cache = lambda alloc, rtp, page_size, window: swa_rc.SWARadixCache(

@@ -1,7 +1,8 @@
-"""The request lifecycle both sliding-window differential harnesses drive (kvcore-swa's and unified's).
+"""The request lifecycle both sliding-window differential harnesses drive (``swa-chunk``'s and the tree's).
 
-SGLang's ``SWARadixCache`` / ``SWAChunkCache`` and its ``UnifiedRadixCache`` with (full, swa)
-components sit on the same ``SWATokenToKVPoolAllocator`` and take requests the same way:
+SGLang's ``SWAChunkCache`` and its ``UnifiedRadixCache`` with (full, swa) components (what
+kvcore's ``unified`` and ``swa`` answer as) sit on the same ``SWATokenToKVPoolAllocator`` and
+take requests the same way:
 admit (match, lock, row), chunked prefill with ``cache_unfinished_req``, decode with
 ``free_swa_out_of_window_slots`` and, past the window, ``dec_swa_lock_only``, finish
 through ``cache_finished_req`` (SGLang's ``release_kv_cache`` less its Mamba and
@@ -11,7 +12,7 @@ answer; a subclass builds the two sides and says how to read its trees:
 
 * ``compare(what)``: the sizes, pools and trees after each operation;
 * ``opath`` / ``spath``: a node's path on each side; ``their_node``: SGLang's node from
-  what its match returned (the unified tree answers with node ids);
+  what its match returned (the unified tree answers with node ids); ``their_root``: its root;
 * ``their_uuid(node)``: the window-lock id SGLang keeps on a node;
 * ``ensure(need)``: make room on both sides before an allocation;
 * ``their_evict(n, sn)``: SGLang's ``evict`` as ``(full, window)`` counts.
@@ -63,7 +64,7 @@ class WindowHarness(Harness):
         return node
 
     def their_uuid(self, node: Any) -> Any:
-        return node.swa_uuid
+        raise NotImplementedError
 
     def ensure(self, need: int) -> bool:
         raise NotImplementedError
@@ -111,7 +112,7 @@ class WindowHarness(Harness):
         self.eq(f"{what}: window lock stop", a, b)
 
     def their_root(self) -> Any:
-        return self.theirs.root_node
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ allocation
 

@@ -44,7 +44,7 @@ class FullComponent(TreeComponent):
         self._evictable += len(node.key)
 
     def owned_slots(self, node: Any) -> Iterator[SlotOwner]:
-        yield SlotOwner("full", f"tree node {node.id} ({len(node.key)} tokens)", node.value)
+        yield SlotOwner("full", f"{self.cache.node_label} {node.id} ({len(node.key)} tokens)", node.value)
 
     def free_value(self, node: Any) -> int:
         cache = self.cache

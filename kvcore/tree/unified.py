@@ -13,12 +13,22 @@ Behaviour follows SGLang 0.5.19's ``UnifiedRadixCache`` with its Python TreeCore
   alone (a *stateless* leaf) stays.
 * Full eviction takes unlocked leaves (no component locks them) by recency.
 
+The full-only set also answers as SGLang's ``RadixCache`` when its config says so
+(``semantics = "radix"``: :class:`kvcore.tree.unified_config.RadixTreeConfig`, the
+``radix`` backend): every eviction policy, one reading of the cache's ``clock`` per
+call, an insert that leaves the caller's duplicates to it, ``key_validation``, and a
+tree-only mode without an allocator.  Same nodes, walks, leaves and locks; only the
+stamps, the insert's pool work and the request flows differ (the ``_radix_*`` methods).
+
 Nodes, splits, path walks, LRU lists and KV events come from :mod:`kvcore.tree`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import sys
+import time
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,6 +60,7 @@ from kvcore.tree import (
     record_removed,
     record_stored,
     request_ids,
+    resolve_policy,
     split_node,
     tree_lines,
 )
@@ -63,6 +74,11 @@ if TYPE_CHECKING:
     from kvcore.record import Req, ReqKvInfo
 
 __all__ = ["UnifiedRadixCache", "UnifiedNode", "InsertArgs"]
+
+_log = logging.getLogger(__name__)
+
+# The dtypes a radix insert takes as slots (converted to int64).
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 class UnifiedNode(Node):
@@ -107,20 +123,44 @@ class InsertArgs:
 
 
 class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
-    """SGLang's UnifiedRadixCache; the class is its own ``create_cache`` factory."""
+    """SGLang's UnifiedRadixCache (or, full-only with ``semantics = "radix"``, its RadixCache); the class is its
+    own ``create_cache`` factory."""
 
     # What the components need of it differs (the swa component's full/window pools): typed loosely.
     token_to_kv_pool_allocator: Any
     reports_evictions = True
+    # RadixCache semantics read it once per call; tests may replace it on an instance (an itertools counter).
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, params: CacheInitParams):
         super().__init__(params)
         config = cast(UnifiedConfig, params.config)
         self.config = config
-        self.device = torch.device(self.token_to_kv_pool_allocator.device)
+        alloc = self.token_to_kv_pool_allocator
+        # SGLang RadixCache's answers (RadixTreeConfig) rather than its UnifiedRadixCache's.
+        self.radix = config.semantics == "radix"
+        # Tree-only (no allocator), as SGLang builds its RadixCache in its own unit tests: the values are the
+        # caller's, so evict and reset only drop them, and the strict slot checks have no pool to check against.
+        self.tree_only = alloc is None
+        if self.tree_only:
+            if not self.radix:
+                raise ValueError("a tree without an allocator needs RadixCache semantics (the radix backend)")
+            if self.strict:
+                _log.info("radix: tree-only cache (no allocator): strict slot checks have nothing to check against")
+            self.strict = False
+        elif self.radix and alloc.page_size != self.page_size:
+            raise ValueError(f"page_size={self.page_size} differs from the allocator's page_size={alloc.page_size}")
+        self.device = torch.device("cpu" if alloc is None else alloc.device)
         self.disable = bool(config.disable)
         self.eviction_policy = str(config.eviction_policy).lower()
         self.enable_kv_events = bool(config.enable_kv_events)
+        # key_validation="stored": match_prefix checks no id past the cached part.
+        self._check_match_tail = getattr(config, "key_validation", "full") != "stored"
+        # RadixCache: every registered policy (equal priorities oldest node first, or newest first for the
+        # policies that evict the newest: the strategy's newest_first).  UnifiedRadixCache: recency.
+        self.eviction_strategy = resolve_policy(self.eviction_policy) if self.radix else LRUStrategy()
+        # How iter_owned_slots names a node (the invariant checker's reports).
+        self.node_label = "radix node" if self.radix else "tree node"
         names = tuple(config.components)
         comps: list[TreeComponent] = []
         for name in names:
@@ -129,6 +169,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             comps.append(spec.factory(self, opts))
         if not comps or comps[0].name != "full":
             raise ValueError(f"components={names!r}: the first component must be 'full'")
+        if self.radix and len(comps) > 1:
+            raise ValueError(f"RadixCache semantics are those of the full-only set, got components={names!r}")
         self.components: tuple[TreeComponent, ...] = tuple(comps)
         self.by_name = {c.name: c for c in comps}
         self.full: Any = comps[0]  # the full component (FullComponent: added(), ...)
@@ -142,7 +184,6 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         # A full-only tree on kvcore's own token allocator frees an insert's duplicates and claims its
         # new leaf in one call (TokenToKVPoolAllocator.free_and_claim); any other allocator: free, claim.
-        alloc = self.token_to_kv_pool_allocator
         self._run_pool = alloc if not self.aux and isinstance(alloc, TokenToKVPoolAllocator) else None
         self._events: list[Any] = []
         self._time = 0.0
@@ -179,21 +220,41 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             setattr(node, k, v)
         return node
 
+    def radix_node(self, now: float, priority: int = 0, key: list[int] | None = None, value: Any = None,
+                   parent: UnifiedNode | None = None, ck: Any = None, extra_key: str | None = None) -> UnifiedNode:
+        """A node of RadixCache semantics: accessed and created ``now`` (the call's one clock reading)."""
+        node = UnifiedNode(key, value, parent, ck, extra_key)
+        node.last_access_time = now
+        node.creation_time = now
+        node.priority = priority
+        return node
+
     def _build_empty(self) -> None:
         # The last full-only match walk, for the insert of the same key (None once the tree's shape changes).
         self._last_walk: tuple | None = None
-        root = self.new_node()
+        if self.radix:
+            root = self.radix_node(self.clock(), -sys.maxsize)
+            root.lock_ref = 1  # as RadixCache's root: never evictable, and a request holding it reads one lock
+        else:
+            root = self.new_node()
         root.value = self._empty
         root.hash_value = []
         self.root_node = root
-        # SGLang's D-leaves (unlocked, childless), least recently used first (the full component's order).
-        self.leaves = EvictOrder(LRUStrategy())
+        # SGLang's D-leaves (unlocked, childless) in eviction order: least recently used first (the full
+        # component's order), or the policy's under RadixCache semantics.
+        self.leaves = EvictOrder(self.eviction_strategy)
         for c in self.components:
             c.reset_state()
-        self._empty_match = MatchResult(self._empty, root, root, 0, {"matched_len": 0})
+        if self.radix:
+            self._empty_match = MatchResult(self._empty, root, root)
+        else:
+            self._empty_match = MatchResult(self._empty, root, root, 0, {"matched_len": 0})
 
     def reset(self) -> None:
         """Free every node's slots and start from an empty tree (call it only when no request runs)."""
+        if self.radix:
+            self._radix_reset()
+            return
         nodes = list(iter_subtree(self.root_node))
         for node in nodes:
             for c in reversed(self.components):
@@ -241,9 +302,13 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         return out
 
     def cached_sizes(self) -> dict[str, tuple[int, int]]:
+        if not self.aux:
+            return {"full": (self.evictable_size(), self.protected_size())}
         return {c.pool: (c.evictable_size(), c.protected_size()) for c in self.components}
 
     def pools(self) -> list:
+        if self.tree_only:
+            return []  # no pool: the invariant checker has no slot to prove
         views = list(self.token_to_kv_pool_allocator.pool_views())
         for c in self.aux:
             views.extend(c.pool_views())
@@ -292,11 +357,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         n = floor_align(len(ids), self.page_size)
         root = self.root_node
         if self.disable or n == 0:
+            if self.radix:
+                if self._check_match_tail:
+                    check_token_ids(ids)
+                return self._empty_match
             self._validate(rk, 0)
             return self._finish_match(self._empty_match, cow_mamba, req)
         aux = self.aux
         if not aux:
-            return self._match_full(rk, ids, n)
+            return self._radix_match(rk, ids, n) if self.radix else self._match_full(rk, ids, n)
         validators = [c.validator() for c in aux]
         node = root
         pos = 0
@@ -358,6 +427,41 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         indices = best.value if len(path) == 1 else torch.cat([x.value for x in path])
         return MatchResult(indices, best, best, pos, {"matched_len": pos})
 
+    def _radix_match(self, rk: RadixKey, ids: list[int], n: int) -> MatchResult:
+        """``match_prefix`` under RadixCache semantics: the root and the path stamped with one clock reading."""
+        path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, rk.extra_key)
+        no01 = False
+        if self._check_match_tail and not rk.validated:
+            # The walked part equals validated cached ids; the rest is checked before anything changes.
+            no01 = check_token_ids(ids, pos + m, refuse_bools=self.strict)
+            rk.validated = True
+        now = self.clock()
+        self.root_node.last_access_time = now
+        for x in path:
+            x.last_access_time = now
+        if split_child is not None:
+            split_child.last_access_time = now
+            path.append(self._radix_split(split_child, m, now))
+            pos += m
+        # An engine inserts the key it just matched: the insert reuses this walk while the shape holds.
+        self._last_walk = (rk, n, path, pos, no01)
+        if not path:
+            return self._empty_match
+        node = path[-1]
+        value = node.value if len(path) == 1 else torch.cat([x.value for x in path])
+        return MatchResult(value, node, node)
+
+    def _radix_split(self, child: UnifiedNode, m: int, now: float) -> UnifiedNode:
+        """``split`` under RadixCache semantics: the new upper half is created ``now``, with the lower half's
+        access time, hit count, priority and lock (its leaf state does not change: it has a child)."""
+        self._last_walk = None
+        up = split_node(child, m, UnifiedNode(), self.page_size)
+        up.last_access_time = child.last_access_time
+        up.creation_time = now
+        up.priority = child.priority
+        up.lock_ref = child.lock_ref
+        return up
+
     def _stamp_path(self, node: UnifiedNode) -> None:
         """SGLang's match touch: one new time on ``node``, a hair older on each ancestor up to the root."""
         t = self.tick()
@@ -407,6 +511,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         state slot to keep on the last node.  ``value=None`` allocates fresh slots.
         """
         rk = key if type(key) is RadixKey else as_radix_key(key, validate=False)
+        if self.radix:
+            if prev_prefix_len or swa_evicted_seqlen or mamba_value is not None:
+                raise TypeError("insert: RadixCache semantics leave the caller's duplicates to the caller and keep "
+                                "no window or state: prev_prefix_len, swa_evicted_seqlen and mamba_value are not taken")
+            return self._radix_insert_key(rk, value, priority, chunked)
         ids = rk.token_ids
         ps = self.page_size
         n = floor_align(len(ids), ps)
@@ -449,6 +558,118 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             c.before_insert(value, ins)
         prefix_len, last = self._insert(ids, rk.extra_key, n, value, ins, rk)
         return InsertResult(prefix_len, last, True, ins.mamba_exist)
+
+    # -- the insert under RadixCache semantics (the caller frees its duplicates) --
+
+    def _radix_insert_key(self, rk: RadixKey, value: torch.Tensor | None, priority: int,
+                          chunked: bool) -> InsertResult:
+        """Insert ``rk`` -> ``value`` (KV slots); returns the length that was already cached.
+
+        Only whole pages are inserted.  Slots of the already-cached part are *not* freed
+        here (the caller frees its duplicates).  ``value=None`` uses the token ids as
+        values (SGLang's simulation mode: do not evict such entries into a real
+        allocator).  ``priority`` feeds the ``priority`` policy; ``chunked`` skips hit
+        counting (a chunked prefill re-inserting its own prefix).
+        """
+        n = len(rk)
+        if value is not None:
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"insert value must be a 1-D integer tensor of slots, got {type(value).__name__}")
+            if value.dtype not in _INT_DTYPES or value.dim() != 1:
+                raise TypeError(
+                    f"insert value must be a 1-D integer tensor, got shape {tuple(value.shape)} dtype {value.dtype}"
+                )
+            if value.shape[0] != n:
+                raise ValueError(f"insert value has {value.shape[0]} slots for a key of {n} tokens")
+        ps = self.page_size
+        if ps > 1:
+            n -= n % ps
+        return self._radix_insert(rk, n, value, priority, chunked, False)
+
+    def _radix_insert(self, rk: RadixKey, n: int, value: torch.Tensor | None, priority: int | None,
+                      chunked: bool, row_checked: bool) -> InsertResult:
+        """The insert of ``rk``'s first ``n`` (page-aligned) tokens; ``row_checked``: a request's row range
+        holding ``value[n0:n]`` was checked claimable already, so the new leaf's slots are claimed unchecked."""
+        if self.disable or n == 0:
+            check_token_ids(rk.token_ids)
+            return InsertResult(0, self.root_node)
+        reused = self._reuse_walk(rk, n)
+        if reused is not None:
+            path, pos, ids = reused
+            split_child, m = None, 0
+        else:
+            ids = rk.token_ids
+            path, pos, split_child, m = descend(self.root_node, ids, n, self.page_size, rk.extra_key)
+            if not rk.validated:
+                check_token_ids(ids, pos + m, refuse_bools=self.strict)
+                rk.validated = True
+        self._last_walk = None
+        v = self._radix_leaf_value(ids, value, pos + m, n, row_checked)
+        # Nothing has changed so far; from here on the insert cannot fail.
+        return self._radix_commit(path, split_child, m, ids, pos, n, v, priority, chunked, rk.extra_key)
+
+    def _radix_leaf_value(self, ids: list[int], value: torch.Tensor | None, start: int, n: int,
+                          row_checked: bool = False) -> torch.Tensor | None:
+        """The new leaf's own slots (``[start, n)`` of the key), claimed under strict; None when nothing is new."""
+        if start >= n:
+            return None
+        if value is None:
+            return torch.tensor(ids[start:n], dtype=torch.int64, device=self.device)
+        if value.dtype is torch.int64:
+            v = torch.narrow_copy(value, 0, start, n - start)  # one op: ~2x cheaper than slice + clone
+        else:
+            v = value[start:n].to(torch.int64)
+        if self.strict:
+            if row_checked:
+                self.token_to_kv_pool_allocator.claim(v, checked=False)
+            else:
+                # Refused (nothing changed) unless every new slot may become this tree's own.
+                self.token_to_kv_pool_allocator.check_claimable(v, commit=True)
+        return v
+
+    def _radix_commit(self, path: list, split_child: UnifiedNode | None, m: int, ids: list[int], pos: int, n: int,
+                      v: torch.Tensor | None, priority: int | None, chunked: bool, extra_key: str | None,
+                      base: int = 0) -> InsertResult:
+        """The insert's changes once its walk is known: ``path`` (root side first) touched, the split, the new leaf,
+        all with one clock reading.  ``ids[pos:n]`` are the key's tokens past ``path`` (``base`` tokens in front
+        of ``ids[0]``: a resumed insert's ids start below its locked node)."""
+        if priority is None:
+            priority = 0
+        hit = 0 if chunked else 1
+        now = self.clock()
+        root = node = self.root_node
+        node.last_access_time = now
+        if priority > node.priority:
+            node.priority = priority
+        for node in path:
+            node.last_access_time = now
+            node.hit_count += hit
+            if priority > node.priority:
+                node.priority = priority
+        if split_child is not None:
+            split_child.last_access_time = now
+            node = self._radix_split(split_child, m, now)
+            node.hit_count += hit
+            if priority > node.priority:
+                node.priority = priority
+            pos += m
+        prefix_len = base + pos
+        if v is not None:
+            ps = self.page_size
+            ck: Hashable = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            if node is root and extra_key is not None:
+                ck = (extra_key, ck)
+            leaf = self.radix_node(now, priority, ids[pos:n], v, node, ck, extra_key)
+            leaf.hit_count = hit
+            node.children[ck] = leaf
+            self.full.added(leaf)
+            leaves = self.leaves
+            leaves.discard(node)
+            leaves.add(leaf)
+            if self.enable_kv_events:
+                record_stored(self._events, leaf, ps)
+            node = leaf
+        return InsertResult(prefix_len, node)
 
     def _insert(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
                 ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
@@ -742,6 +963,11 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def inc_lock_ref(self, node: Any) -> LockResult:
         """Lock ``node`` for a request: each component takes its share (full: the path to the root)."""
+        if self.radix:
+            # RadixCache: a node of this tree (TypeError otherwise, None included); the root locks nothing.
+            if self.disable:
+                return LockResult(delta=0)
+            return LockResult(delta=self.full.lock_path(self._path(node, "inc_lock_ref"), []))
         lock = LockResult(0, None, {})
         if node is None or self.disable or node is self.root_node:
             return lock
@@ -760,6 +986,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
+        if self.radix:
+            if self.disable:
+                return LockResult(delta=0)
+            path = self._path(node, "dec_lock_ref")
+            check_locked(path, node, "dec_lock_ref")
+            if lock is not None:
+                lock.check_not_released("dec_lock_ref", node)
+                lock.released = True
+            return LockResult(delta=-self.full.unlock_path(path))
         if lock is not None:
             lock.check_not_released("dec_lock_ref", node)
         if node is None or self.disable or node is self.root_node:
@@ -851,13 +1086,19 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
                     c.evict(target, tracker)
             finally:
                 batch, self.free_batch = self.free_batch, None
-                if batch:
+                if batch and self.tree_only:
+                    pass  # the values are the caller's
+                elif batch:
                     self.evicting(batch)
                     alloc = self.token_to_kv_pool_allocator
                     if self.page_size == 1:
                         # A free at page 1 appends its slots to the free list: one free of the
                         # concatenation leaves the order node-by-node frees do.
                         alloc.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+                    elif self.radix:
+                        # SGLang's RadixCache frees each leaf with free_segment as it goes, paged in front
+                        # in row order: the last leaf evicted ends up first.  One call does the same.
+                        alloc.free_row_segments([(batch[0] if len(batch) == 1 else torch.cat(batch[::-1]), 0)])
                     else:
                         # With pages a free sorts the pages it is given: SGLang frees each evicted
                         # node on its own, so the free-list order is node by node here too.
@@ -959,6 +1200,9 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Insert what ``req`` committed and drop its lock (SGLang's ``cache_finished_req``)."""
+        if self.radix:
+            self._radix_cache_finished_req(req, is_insert)
+            return
         kv = req.kv
         committed = kv.kv_committed_len
         protected = kv.cache_protected_len
@@ -995,6 +1239,9 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
 
     def cache_unfinished_req(self, req: Req, chunked: bool = False) -> None:
         """Insert ``fill_ids[:kv_committed_len]`` of a running request, re-match it and move its lock."""
+        if self.radix:
+            self._radix_cache_unfinished_req(req, chunked)
+            return
         kv = req.kv
         committed = kv.kv_committed_len
         row = self.row(kv)
@@ -1049,16 +1296,111 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         for c in self.aux:
             c.after_cache_req(req, False, ins, InsertResult(prefix_len, last))
 
+    # -- the requests under RadixCache semantics (the insert leaves the duplicates to the cache's frees) --
+
+    def _radix_cache_finished_req(self, req: Req, is_insert: bool) -> None:
+        self.check_req(req, "cache_finished_req")
+        kv = req.kv
+        committed = kv.kv_committed_len
+        protected = kv.cache_protected_len
+        if self.disable:
+            self.free_kv_row(kv, [(protected, committed)])
+        elif not is_insert:
+            # Two pieces, as SGLang frees them (paged, the tail's page ends up in front).
+            aligned = floor_align(committed, self.page_size)
+            self.free_kv_row(kv, [(protected, aligned), (aligned, committed)])
+        elif self.resume_finished(req):
+            return  # inserted from the request's locked node (kvcore.tree.resume), lock given back
+        else:
+            aligned = floor_align(committed, self.page_size)
+            result = self._radix_insert_row(req, RadixKey(req.fill_ids[:aligned], req.extra_key), aligned, False)
+            # Duplicates of what the tree already held, then the unaligned tail.
+            self.free_kv_row(kv, [(protected, result.prefix_len), (aligned, committed)])
+        self.release_req_lock(req)
+
+    def _radix_cache_unfinished_req(self, req: Req, chunked: bool) -> None:
+        if self.disable:
+            return
+        self.check_req(req, "cache_unfinished_req")
+        if self.resume_unfinished(req, chunked):
+            return
+        kv = req.kv
+        committed = kv.kv_committed_len
+        protected = kv.cache_protected_len
+        aligned = floor_align(committed, self.page_size)
+        key = RadixKey(req.fill_ids[:aligned], req.extra_key)
+        result = self._radix_insert_row(req, key, aligned, chunked)
+        self.free_kv_row(kv, [(protected, result.prefix_len)])
+        match = self.match_prefix(key)
+        if match.prefix_len != aligned:
+            raise AssertionError(f"request {req.rid!r}: re-match found {match.prefix_len} of {aligned} inserted tokens")
+        self.rebase_on_match(req, match, committed)
+        self.note_resume_point(req, match.device_indices)
+
+    def _radix_insert_row(self, req: Req, key: RadixKey, aligned: int, chunked: bool) -> InsertResult:
+        """Insert ``key`` (the request's first ``aligned`` tokens) -> its row's slots.
+
+        Under strict the request's own part of the row, ``[cache_protected_len, aligned)``,
+        is checked first as a whole (the row's claim: allocated, not a tree node's, named
+        once, whole pages), before anything changes: it covers the new leaf's slots and
+        the duplicates freed after the insert, so neither can be refused half-way.
+        """
+        kv = req.kv
+        values = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :aligned].to(torch.int64)
+        if len(key) != aligned:
+            raise ValueError(f"insert value has {aligned} slots for a key of {len(key)} tokens")
+        protected = kv.cache_protected_len
+        if self.strict and aligned > protected:
+            self.token_to_kv_pool_allocator.check_claimable(values[protected:], what=f"request {req.rid!r}")
+        return self._radix_insert(key, aligned, values, req.priority, chunked, self.strict)
+
+    def _radix_reset(self) -> None:
+        """RadixCache's reset: refused while a node is locked; every node's slots freed in one call."""
+        protected = self.full.protected_size()
+        if protected:
+            raise RuntimeError(
+                f"reset() while {protected} cached tokens are locked by running requests; "
+                "finish them (or release their locks) first"
+            )
+        nodes = list(iter_subtree(self.root_node))
+        if nodes and not self.tree_only:
+            slots = torch.cat([x.value for x in nodes])
+            if self.strict:
+                self.token_to_kv_pool_allocator.disown(slots)
+            self.token_to_kv_pool_allocator.free(slots)
+        for node in nodes:
+            node.parent = None
+        self._build_empty()
+        self.record_cleared()
+
     # -- the resumed insert's parts (kvcore.tree.resume; a full-only tree) -----
 
     def resume_insert(self, upper: list, ids: list[int], values: torch.Tensor, base: int, priority: int,
                       chunked: bool) -> tuple[int, Any, bool]:
+        if self.radix:
+            node = upper[-1]
+            n = len(ids)
+            path, pos, split_child, m = descend(node, ids, n, self.page_size)
+            check_token_ids(ids, pos + m, refuse_bools=self.strict)
+            self._last_walk = None
+            v = self._radix_leaf_value(ids, values, pos + m, n, self.strict)  # the row was checked
+            result = self._radix_commit(upper + path, split_child, m, ids, pos, n, v, priority, chunked,
+                                        node.extra_key, base)
+            return result.prefix_len, result.last_device_node, False
         ins = InsertArgs(0, 0, None, chunked, int(priority), row_checked=self.strict)
         pos, last = self._insert_full(ids, upper[-1].extra_key, len(ids), values, ins, None, upper)
         return base + pos, last, True
 
     def resume_stamp(self, node: Any) -> None:
-        self._stamp_path(node)
+        if not self.radix:
+            self._stamp_path(node)
+            return
+        now = self.clock()
+        root = self.root_node
+        while node is not root:
+            node.last_access_time = now
+            node = node.parent
+        root.last_access_time = now
 
     def resume_lock(self, nodes: list) -> int:
         return int(self.full.lock_path(nodes, []))
@@ -1088,6 +1430,18 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             c.check_totals(root)
 
     def format_tree(self) -> str:
+        if self.radix:
+            # RadixCache's pretty_print: one line per node, then the token count.
+            lines = []
+            stack = [(self.root_node, 0)]
+            while stack:
+                node, indent = stack.pop()
+                lines.append(" " * indent + f" [{node.id}] {len(node.key)} {node.key[:10]} r={node.lock_ref}")
+                for child in node.children.values():
+                    stack.append((child, indent + 2))
+            lines.append(f"#tokens: {self.total_size()}")
+            return "\n".join(lines)
+
         def describe(x: UnifiedNode) -> str:
             flags = " ".join(f"{c.name}={'T' if not c.has_value(x) else c.lock_ref(x)}" for c in self.aux)
             return f"{x!r} {flags}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -12,7 +12,7 @@ from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools import ReqToTokenPool, TokenAllocator
 from kvcore.tiers import TieredCacheConfig
 
-__all__ = ["UnifiedConfig", "UnifiedPools", "require_full_only"]
+__all__ = ["RadixTreeConfig", "UnifiedConfig", "UnifiedPools", "require_full_only"]
 
 
 class UnifiedConfig(TieredCacheConfig):
@@ -28,8 +28,13 @@ class UnifiedConfig(TieredCacheConfig):
 
     #: A backend that is one component set (``swa``, ``mamba``) names it here: ``components`` must be it.
     component_set: ClassVar[tuple[str, ...] | None] = None
+    #: Whose answers the tree gives: ``"unified"`` (SGLang's UnifiedRadixCache) or ``"radix"`` (SGLang's
+    #: RadixCache, for the full-only set: see :class:`RadixTreeConfig`).
+    semantics: ClassVar[str] = "unified"
+    #: Options of the tree itself that a preset declares as fields (not a component's).
+    tree_options: ClassVar[tuple[str, ...]] = ()
 
-    eviction_policies = ("lru",)
+    eviction_policies: ClassVar[tuple[str, ...] | None] = ("lru",)
     policy_backend = "unified"
     policy_reason = "each component keeps its own LRU order, as SGLang's UnifiedRadixCache"
 
@@ -66,7 +71,7 @@ class UnifiedConfig(TieredCacheConfig):
         # A preset (unified-swa, ...) declares its components' options as fields: those the caller set
         # are checked like any other component option (the rest take the component's defaults).
         for k in self.model_fields_set:
-            if k not in UnifiedConfig.model_fields:
+            if k not in UnifiedConfig.model_fields and k not in self.tree_options:
                 extra[k] = getattr(self, k)
         taken: dict[str, Any] = {}
         for name in self.components:
@@ -116,6 +121,41 @@ class UnifiedConfig(TieredCacheConfig):
     def component_options(self, name: str) -> Any:
         """The validated options instance of component ``name`` (None if it takes none)."""
         return self._component_options.get(name)
+
+
+class RadixTreeConfig(UnifiedConfig):
+    """The component set ``("full",)`` with SGLang RadixCache's answers (what the ``radix`` backend builds).
+
+    Where they differ from UnifiedRadixCache's (``unified`` with ``components=("full",)``):
+    every registered ``eviction_policy``; the cache's ``clock`` (``time.monotonic``,
+    replaceable per cache) read once per call, every node a call touches or creates
+    getting that one reading (a split's upper half: created then, the lower half's
+    access time); an insert leaves the caller's duplicates to the caller
+    (``InsertResult.duplicates_freed`` False) and counts a hit on its new leaf;
+    ``insert(key)`` with no value takes the token ids as the values; ``key_validation``;
+    ``reset`` refused while a node is locked; evicted pages given back as one segment.
+    Built without an allocator (``token_to_kv_pool_allocator=None``) the tree is
+    tree-only, as SGLang builds its RadixCache in its unit tests: the values are the
+    caller's, ``strict`` is off, ``pools()`` is empty and evict/reset only drop them.
+    """
+
+    # Its one component takes no option: anything else is refused as by any backend's config.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    component_set = ("full",)
+    semantics = "radix"
+    tree_options = ("key_validation",)
+    eviction_policies = None
+    policy_backend = "radix"
+    policy_reason = ""
+
+    eviction_policy: str = Field("lru", description="lru, lfu, fifo, mru, filo, priority, slru or a plugin's")
+    key_validation: Literal["full", "stored"] = Field(
+        "full",
+        description="full: every key is checked (TypeError/ValueError on bad ids); "
+        "stored: only ids the tree stores are checked, match_prefix skips the unmatched tail (faster)",
+    )
+
 
 class UnifiedPools(PoolBuilder[UnifiedConfig]):
     """The pools of ``unified``: each component may ask for its own allocator or request table

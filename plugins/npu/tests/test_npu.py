@@ -248,12 +248,13 @@ def test_backend_npu_is_the_radix_tree_on_npu_pools_at_page_128():
     assert cache.page_size == 128 and cache.session_page_aligned is True
     assert type(cache.token_to_kv_pool_allocator) is NPUPagedTokenToKVPoolAllocator
     assert isinstance(cache.kv_pool, NPUMHATokenToKVPool) and cache.kv_pool.k_buffer.shape == (2, 17, 128, 2, 4)
-    assert type(cache).__name__ == "RadixCache" and cache.backend_name == "npu"
-    # One tree implementation, reached through the registry: no kvcore-npu module imports kvcore_radix.
+    assert type(cache).__name__ == "UnifiedRadixCache" and cache.radix and cache.backend_name == "npu"
+    # One tree implementation, the core's: no kvcore-npu module imports kvcore_radix or looks a backend up.
     import kvcore_npu
 
     sources = [p.read_text() for p in Path(kvcore_npu.__file__).parent.glob("*.py")]
     assert not [src for src in sources if "import kvcore_radix" in src or "from kvcore_radix" in src]
+    assert not [src for src in sources if "get_backend" in src]
     engine, req = _engine_run(cache)
     written = []
     engine.kv_writer = written.append

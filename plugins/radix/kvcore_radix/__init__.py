@@ -1,13 +1,15 @@
 """kvcore-radix: the ``radix`` prefix-cache backend for kvcore (SGLang RadixCache semantics).
 
-The tree machinery (node splits, lock walks, KV events, eviction policies) is
-kvcore's public tree kit, :mod:`kvcore.tree`.
+``radix`` is the core tree (:mod:`kvcore.tree.unified`) as the component set
+``("full",)`` with RadixCache's answers; this package holds its options and its
+registration.  ``RadixCache`` and ``TreeNode`` name the core's tree and node classes.
 """
 
 from importlib.metadata import version
 
+from kvcore.tree.unified import UnifiedNode as TreeNode
+from kvcore.tree.unified import UnifiedRadixCache as RadixCache
 from kvcore_radix.config import RadixConfig
-from kvcore_radix.radix_cache import RadixCache, TreeNode
 
 __version__ = version("kvcore-radix")
 

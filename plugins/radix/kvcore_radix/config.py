@@ -1,23 +1,15 @@
-"""Options of the ``radix`` backend."""
+"""Options of the ``radix`` backend: the core tree's full-only set with SGLang RadixCache's answers."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from kvcore.tiers import TieredCacheConfig
+from kvcore.tree.unified_config import RadixTreeConfig
 
 __all__ = ["RadixConfig"]
 
 
-class RadixConfig(TieredCacheConfig):
-    """Options of the ``radix`` backend: the common pool options plus
-    ``eviction_policy``, ``enable_kv_events``, ``disable``, ``key_validation`` and the tiers
-    (``host_size``, ``store``, ``store_layout``)."""
-
-    key_validation: Literal["full", "stored"] = Field(
-        "full",
-        description="full: every key is checked (TypeError/ValueError on bad ids); "
-        "stored: only ids the tree stores are checked, match_prefix skips the unmatched tail (faster)",
-    )
+class RadixConfig(RadixTreeConfig):
+    """Options of the ``radix`` backend: the common pool options plus ``eviction_policy`` (every
+    registered policy), ``enable_kv_events``, ``disable``, ``key_validation`` and the tiers
+    (``host_size``, ``store``, ``store_layout``, ...).  ``components`` is ``("full",)``, the only set
+    this backend is (:class:`kvcore.tree.unified_config.RadixTreeConfig` says what differs from
+    ``unified`` with that set)."""

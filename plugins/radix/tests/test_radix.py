@@ -230,7 +230,7 @@ def test_dec_lock_ref_on_unlocked_node_raises_and_changes_nothing():
     cache = build()
     put(cache, [1, 2, 3, 4])
     node = cache.match_prefix([1, 2, 3, 4]).last_device_node
-    with pytest.raises(ValueError, match=f"radix node {node.id}"):
+    with pytest.raises(ValueError, match=f"UnifiedNode {node.id} "):
         cache.dec_lock_ref(node)
     assert cache.evictable_size() == 4 and cache.protected_size() == 0
     # Locked leaf but unlocked parent path after a split: refused as a whole.

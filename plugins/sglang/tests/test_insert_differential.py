@@ -15,8 +15,12 @@ pipeline and the unified linker call it).  Here:
   every call; SGLang's pool checks and kvcore's ``InvariantChecker`` after each.
 * ``kvcore-unified`` on a full-attention model answers ``total_size()`` as SGLang's
   ``UnifiedRadixCache`` does, a pair.
-* ``kvcore-swa``'s eviction count is SGLang's ``SWARadixCache``'s, also where its window phase
-  under-reports the full pool's gain; kvcore's own ``evict`` still reports the gain.
+* ``kvcore-swa`` and ``kvcore-mamba`` against SGLang's ``UnifiedRadixCache`` with components
+  full + swa / full + mamba: each eviction's counts are the pools' gains on both sides;
+  ``mamba_value`` and ``mamba_exist``.
+* What SGLang's ``UnifiedRadixCache`` answers outside a request's path on every component set
+  (sizes, ``total_size()``, the leak dump's flattened values, ``available_and_evictable_str()``,
+  the eviction metrics' full tokens), for ``kvcore-unified``, ``kvcore-swa`` and ``kvcore-mamba``.
 
 Stubbed (CPU only): SGLang's Triton allocation kernels and ``write_cache_indices`` (the
 ``sglang_request_path`` fixture), as in ``test_request_path_differential.py``.
@@ -407,3 +411,57 @@ def test_insert_on_mamba_pools_matches_sglang():
                 w.r2t.mamba_allocator.free(state)
         assert results[0] == results[1]
         same(ref, ours)
+
+
+class _Metrics:
+    """Stands for SGLang's eviction metrics collector: records what ``update_eviction_metrics`` is told."""
+
+    def __init__(self) -> None:
+        self.evicted: list[int] = []
+
+    def observe_eviction_duration(self, duration: float) -> None:
+        pass
+
+    def increment_eviction_num_tokens(self, num_tokens: int) -> None:
+        self.evicted.append(num_tokens)
+
+
+@pytest.mark.parametrize(("world", "cache_kind", "kvcore_name", "kw"), [
+    (World, "unified", "kvcore-unified", {}),
+    (SWAWorld, "unified-swa", "kvcore-swa", {"swa_size": 40, "window": 4}),
+    (SWAWorld, "unified-swa", "kvcore-unified", {"swa_size": 40, "window": 4}),
+    (MambaWorld, "unified-mamba", "kvcore-mamba", {"mamba_size": 8, "chunk_size": 4}),
+    (MambaWorld, "unified-mamba", "kvcore-unified", {"mamba_size": 8, "chunk_size": 4}),
+])
+def test_unified_answers_outside_the_request_path_match_sglang(world, cache_kind, kvcore_name, kw):
+    """Sizes, ``total_size()``, the flattened values, ``available_and_evictable_str()`` and the eviction metrics
+    (full tokens only) of every component set, as SGLang's ``UnifiedRadixCache`` answers them."""
+    ref, ours = both_worlds(world, cache_kind, kvcore_name, size=64, page_size=1, rows=4, width=64, **kw)
+
+    def answered(w: World) -> tuple:
+        c = w.cache
+        sizes = (c.evictable_size(), c.protected_size(), c.full_evictable_size(), c.full_protected_size(),
+                 c.swa_evictable_size(), c.total_size())
+        if c.supports_mamba():
+            sizes += (c.mamba_evictable_size(), c.mamba_protected_size())
+        flat = (sorted(c.all_values_flatten().tolist()), sorted(c.all_mamba_values_flatten().tolist()))
+        return (c.supports_swa(), c.supports_mamba(), c.is_chunk_cache(), sizes, flat, c.available_and_evictable_str())
+
+    assert answered(ref) == answered(ours)
+    for ids in ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]):
+        for w in (ref, ours):
+            extra = {"mamba_value": w.r2t.mamba_allocator.alloc(1)} if world is MambaWorld else {}
+            done = w.cache.insert(InsertParams(key=key(ids), value=w.alloc.alloc(len(ids)), **extra))
+            if done.mamba_exist:
+                w.r2t.mamba_allocator.free(extra["mamba_value"])
+        assert answered(ref) == answered(ours)
+        same(ref, ours)
+    counted = []
+    for w in (ref, ours):
+        w.cache.metrics_collector = _Metrics()
+        done = w.cache.evict(EvictParams(num_tokens=4, mamba_num=1 if world is MambaWorld else 0))
+        counted.append((done.num_tokens_evicted, done.swa_num_tokens_evicted, done.mamba_num_evicted,
+                        w.cache.metrics_collector.evicted))
+    assert counted[0] == counted[1] and counted[0][0] > 0 and counted[0][3] == [counted[0][0]]
+    assert answered(ref) == answered(ours)
+    same(ref, ours)

@@ -178,10 +178,12 @@ def test_create_tree_cache_builds_a_window_tree_on_sglangs_swa_allocator(caplog,
     assert (view.size_full, view.size_swa) == (64, 32)
     assert cache.total_size() == (0, 0)
     assert cache.full_evictable_size() == cache.swa_evictable_size() == cache.swa_protected_size() == 0
-    if name == "kvcore-unified":
-        assert cache.kvcore_cache.config.components == ("full", "swa")
-        # As SGLang's UnifiedRadixCache: the plain sizes answered (the full pool's), no retain floor.
-        assert cache.evictable_size() == cache.protected_size() == 0 and cache.swa_retain_floor(None) is None
+    assert cache.kvcore_cache.config.components == ("full", "swa")
+    # As SGLang's UnifiedRadixCache: the plain sizes answered (the full pool's), no retain floor.
+    assert cache.evictable_size() == cache.protected_size() == 0 and cache.swa_retain_floor(None) is None
+    assert cache.available_and_evictable_str() == (
+        "Available full tokens: 64 (full_available_size=64 + full_evictable_size_=0)\n"
+        "Available swa: 32 (available_size=32 + component_evictable_size_=0)\n")
     kvcore.InvariantChecker(cache.kvcore_cache).check(owners=[])
 
 
@@ -287,15 +289,19 @@ def make_mamba_ctx(server_args, *, rows=4, mamba_size=8, size=64, page_size=1, e
     )
 
 
-def test_create_tree_cache_builds_kvcore_mamba_on_sglangs_hybrid_pool(caplog):
-    from kvcore_sglang.v0_5_19 import KvcoreMambaTreeCache
+@pytest.mark.parametrize("name", ["kvcore-mamba", "kvcore-unified"])
+def test_create_tree_cache_builds_kvcore_mamba_on_sglangs_hybrid_pool(caplog, name):
+    """kvcore-mamba and kvcore-unified: kvcore's one tree with components full + mamba, whose SGLang counterpart
+    on a hybrid SSM model is its UnifiedRadixCache with components FULL + MAMBA."""
+    from kvcore_sglang.v0_5_19 import KvcoreUnifiedMambaTreeCache
 
     load_plugins()
-    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
         ctx = make_mamba_ctx(server_args)
         with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.registry"):
             cache = create_tree_cache(ctx)
-    assert isinstance(cache, KvcoreMambaTreeCache) and "source=registered('kvcore-mamba')" in caplog.text
+    assert type(cache) is KvcoreUnifiedMambaTreeCache and f"source=registered('{name}')" in caplog.text
+    assert cache.kvcore_cache.config.components == ("full", "mamba")
     assert cache.supports_mamba() and not cache.supports_swa() and not cache.is_chunk_cache()
     backend = cache.kvcore_cache
     r2t = ctx.params.req_to_token_pool
@@ -303,9 +309,13 @@ def test_create_tree_cache_builds_kvcore_mamba_on_sglangs_hybrid_pool(caplog):
     assert backend.mamba_cache_chunk_size == 4     # SGLang's mamba_cache_chunk_size(), as its own cache reads it
     assert cache.total_size() == (0, 0)
     assert cache.full_evictable_size() == cache.mamba_evictable_size() == cache.mamba_protected_size() == 0
+    assert cache.available_and_evictable_str() == (
+        "Available full tokens: 64 (full_available_size=64 + full_evictable_size_=0)\n"
+        "Available mamba: 8 (available_size=8 + component_evictable_size_=0)\n")
+    assert cache.all_values_flatten().numel() == cache.all_mamba_values_flatten().numel() == 0
     kvcore.InvariantChecker(backend).check(owners=[])
     # The extra-buffer strategy with pages: SGLang's scheduler tracks the snapshots.
-    with get_context().override_server_args(radix_cache_backend="kvcore-mamba") as server_args:
+    with get_context().override_server_args(radix_cache_backend=name) as server_args:
         cache = create_tree_cache(make_mamba_ctx(server_args, page_size=4, mamba_size=12, extra_buffer=True))
     assert cache.kvcore_cache.req_to_token_pool.tracks_states
 

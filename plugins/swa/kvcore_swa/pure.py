@@ -16,19 +16,16 @@ swa_evicted_seqlen)`` as gone.  The window free is the core's
 ``swa_dead_lo``, so ``swa_evict_floor`` (prefill-aware SWA) protects a prompt's KV
 for the whole decode.  Unlike SGLang's allocator, page sizes above 1 work.
 
-Why the tree cache composes the ``radix`` backend.  SGLang's ``PureSWARadixCache``
+Why the tree cache composes the core tree.  SGLang's ``PureSWARadixCache``
 subclasses ``RadixCache`` and changes only what a finished request inserts (its
-prefix below the evict floor), the ``evict`` arguments and the size names.  In
-kvcore a plugin never imports another plugin's package, so there are two ways to
-get a tree: build the ``radix`` backend through kvcore's registry (as kvcore-npu
-does) and delegate to it, or build a tree on :mod:`kvcore.tree` and kvcore-swa's
-hybrid SWA tree.  The second would be a second radix tree (match, insert, split,
-eviction order, strict slot claims) next to kvcore-radix's and the SWA tree's,
-which is the copy this project forbids; the SWA tree's tombstones and window
-locks are exactly what a pure-SWA model does not need.  So the tree is
-kvcore-radix's, found by name, and this class adds only the finishing rule and
-the SWA size names.  ``pip install kvcore-swa[pure]`` brings kvcore-radix; without
-it ``swa-pure`` is still listed and building it says what to install.
+prefix below the evict floor), the ``evict`` arguments and the size names.  kvcore
+has one tree, :class:`kvcore.tree.unified.UnifiedRadixCache`; ``radix`` is its
+component set ``("full",)`` with RadixCache's answers
+(:class:`kvcore.tree.unified_config.RadixTreeConfig`).  This class builds that same
+tree on its one pool (no window component: a pure-SWA model's single pool is the
+row's, so the tree's tombstones and window locks have nothing to do) and delegates
+to it, adding only the finishing rule and the SWA size names.  It needs no other
+backend installed.
 
 Finishing rule (both backends): a request's row ``[cache_protected_len,
 kv_committed_len)`` is given back except ``[swa_dead_lo, swa_evicted_seqlen)``,
@@ -52,12 +49,13 @@ import torch
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
 from kvcore.config import CacheInitParams, TreeCacheConfig
 from kvcore.keys import KeyLike
-from kvcore.plugins import get_backend
 from kvcore.pool_builder import Placement, PoolBuilder
 from kvcore.pools.allocator import TokenToKVPoolAllocator, split_row_segments
 from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align, floor_align
 from kvcore.tree import check_evict_count
+from kvcore.tree.unified import UnifiedRadixCache
+from kvcore.tree.unified_config import RadixTreeConfig
 from kvcore_swa.chunk import SWAChunkCache
 from kvcore_swa.config import SlidingWindowConfig
 from kvcore_swa.window import SlidingWindowMixin, window_size
@@ -72,9 +70,6 @@ __all__ = [
     "PureSWARadixCache",
     "PureSWATokenToKVPoolAllocator",
 ]
-
-TREE_BACKEND = "radix"
-
 
 class PureSWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
     """One pool for a model whose every layer is sliding-window (SGLang's ``PureSWATokenToKVPoolAllocator``).
@@ -144,7 +139,7 @@ class PureSWAPools(PoolBuilder[PureSWAChunkConfig]):
 
 
 class PureSWAConfig(TreeCacheConfig, PureSWAChunkConfig):
-    """Options of ``swa-pure``: the window and the ``radix`` tree's options (every eviction policy)."""
+    """Options of ``swa-pure``: the window and the tree's options (every eviction policy, as ``radix``)."""
 
 
 def _require_pure(allocator: Any, backend: str) -> PureSWATokenToKVPoolAllocator:
@@ -175,10 +170,11 @@ class PureSWAChunkCache(SWAChunkCache):
 
 
 class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
-    """SGLang's ``PureSWARadixCache``: the ``radix`` backend's tree, a window, and the floor-bounded finish.
+    """SGLang's ``PureSWARadixCache``: the core tree with RadixCache's answers, a window, and the floor-bounded finish.
 
-    ``self.tree`` is the ``radix`` backend built on the same pools; every tree
-    call is delegated to it.  Sizes use SGLang's names: the ``swa_`` sizes are the
+    ``self.tree`` is that tree (:class:`kvcore.tree.unified.UnifiedRadixCache` on a
+    :class:`kvcore.tree.unified_config.RadixTreeConfig`, as ``radix`` builds it) on the
+    same pools; every tree call is delegated to it.  Sizes use SGLang's names: the ``swa_`` sizes are the
     tree's, the ``full_`` ones are 0.
     """
 
@@ -187,21 +183,14 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def __init__(self, params: CacheInitParams, sliding_window_size: int | None = None):
         alloc = _require_pure(params.token_to_kv_pool_allocator, "PureSWARadixCache")
         self.sliding_window_size = window_size(params.config, sliding_window_size)
-        try:
-            spec = get_backend(TREE_BACKEND)
-        except LookupError as exc:
-            raise LookupError(
-                f"backend 'swa-pure' keeps its prefix in the {TREE_BACKEND!r} backend's tree, which is not available "
-                f"({exc}); install kvcore-radix (plugins/radix)"
-            ) from None
-        fields = spec.config.model_fields
+        fields = RadixTreeConfig.model_fields
         options = {k: v for k, v in params.config.model_dump().items() if k in fields}
-        self.tree: BasePrefixCache = spec.factory(
+        self.tree: BasePrefixCache = UnifiedRadixCache(
             CacheInitParams(
                 req_to_token_pool=params.req_to_token_pool,
                 token_to_kv_pool_allocator=alloc,
                 page_size=params.page_size,
-                config=spec.config(**options),
+                config=RadixTreeConfig(**options),
                 kv_pool=params.kv_pool,
             )
         )

@@ -251,12 +251,17 @@ def test_a_chunk_cache_without_an_allocator_is_refused():
         ChunkCache(params)
 
 
-def test_swa_pure_without_the_radix_backend_says_what_to_install(monkeypatch):
-    import kvcore_swa.pure as pure
+def test_swa_pure_builds_on_the_core_tree_without_the_radix_backend(monkeypatch):
+    import kvcore.plugins
+    from kvcore.tree.unified import UnifiedRadixCache
 
-    def missing(name):
-        raise LookupError(f"no backend {name!r}")
+    real = kvcore.plugins.get_backend
 
-    monkeypatch.setattr(pure, "get_backend", missing)
-    with pytest.raises(LookupError, match="kvcore-radix"):
-        make("swa-pure")
+    def no_radix(name):
+        if name == "radix":
+            raise LookupError(f"no backend {name!r}")
+        return real(name)
+
+    monkeypatch.setattr(kvcore.plugins, "get_backend", no_radix)
+    cache = make("swa-pure")
+    assert type(cache.tree) is UnifiedRadixCache and cache.tree.radix

@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[
 from kvcore.cache import LockResult
 from kvcore_sglang.common.request_views import KvRecordView, MambaStateView, ReqView, owner_of
 
-__all__ = ["UNIFIED_SWA_SKIP", "KvRecordView", "MambaStateView", "ReqView", "SWAReqView", "UnifiedSWAReqView",
+__all__ = ["UNIFIED_SWA_SKIP", "KvRecordView", "MambaStateView", "ReqView", "UnifiedSWAReqView",
            "fill_len", "owner_of", "skip_ids"]
 
 
@@ -25,14 +25,20 @@ def fill_len(req: Any) -> int:
     return min(len(req.full_untruncated_fill_ids), req.extend_range.end)
 
 
-class SWAReqView(ReqView):
-    """A request of a hybrid SWA model: its lock is SGLang's own pair of fields.
+#: Where kvcore's unified swa component keeps the tombstones its window lock passed over (LockResult.extras).
+UNIFIED_SWA_SKIP = "swa_skip"
+
+
+class UnifiedSWAReqView(ReqView):
+    """A request of a hybrid SWA model on SGLang's ``UnifiedRadixCache``: its lock is SGLang's own fields.
 
     SGLang's scheduler keeps where a request's window lock stopped in
-    ``req.swa_uuid_for_lock`` (from ``inc_lock_ref``) and whether the window part
-    went back early in ``req.swa_prefix_lock_released`` (``dec_swa_lock_only``); the
-    kvcore lock handed to kvcore-swa is made from them, and a new lock is written
-    back to them, so the scheduler's own calls and the cache's agree.
+    ``req.swa_uuid_for_lock`` (from ``inc_lock_ref``), the tombstones the window lock passed
+    over in ``req.skip_lock_node_ids[ComponentType.SWA]`` (so a tombstone healed since is not
+    unlocked) and whether the window part went back early in ``req.swa_prefix_lock_released``
+    (``dec_swa_lock_only``); the kvcore lock handed to the tree is made from them (the skipped
+    tombstones in its extras, as kvcore's unified swa component keeps them), and a new lock is
+    written back to them, so the scheduler's own calls and the cache's agree.
     """
 
     __slots__ = ()
@@ -40,16 +46,18 @@ class SWAReqView(ReqView):
     @staticmethod
     def lock_from(swa_uuid_for_lock: int | None, skip_lock_node_ids: Any = None,
                   swa_released: bool = False) -> LockResult:
-        """The kvcore lock SGLang's lock handle stands for (``skip_lock_node_ids``: SWARadixCache keeps none)."""
+        """The kvcore lock SGLang's lock handle stands for."""
         lock = LockResult(stop=swa_uuid_for_lock)
         if swa_released:
             lock.released_early.add("swa")
+        lock.extras[UNIFIED_SWA_SKIP] = set((skip_lock_node_ids or {}).get(ComponentType.SWA, ()))
         return lock
 
     @staticmethod
     def store(req: Any, lock: LockResult) -> None:
         """Write a new kvcore lock back to SGLang's fields of ``req``."""
         req.swa_uuid_for_lock = lock.stop
+        req.skip_lock_node_ids = skip_ids(lock)
 
     @property
     def lock(self) -> Any:
@@ -65,33 +73,6 @@ class SWAReqView(ReqView):
         req.swa_prefix_lock_released = False
         if lock is not None:
             self.store(req, lock)
-
-
-#: Where kvcore's unified swa component keeps the tombstones its window lock passed over (LockResult.extras).
-UNIFIED_SWA_SKIP = "swa_skip"
-
-
-class UnifiedSWAReqView(SWAReqView):
-    """A request of a hybrid SWA model on SGLang's ``UnifiedRadixCache``: its lock adds the skipped tombstones.
-
-    SGLang's unified window lock passes over tombstones and records them in
-    ``req.skip_lock_node_ids[ComponentType.SWA]`` (so a tombstone healed since is not
-    unlocked); kvcore's unified swa component does the same in its lock's extras.
-    """
-
-    __slots__ = ()
-
-    @staticmethod
-    def lock_from(swa_uuid_for_lock: int | None, skip_lock_node_ids: Any = None,
-                  swa_released: bool = False) -> LockResult:
-        lock = SWAReqView.lock_from(swa_uuid_for_lock, swa_released=swa_released)
-        lock.extras[UNIFIED_SWA_SKIP] = set((skip_lock_node_ids or {}).get(ComponentType.SWA, ()))
-        return lock
-
-    @staticmethod
-    def store(req: Any, lock: LockResult) -> None:
-        SWAReqView.store(req, lock)
-        req.skip_lock_node_ids = skip_ids(lock)
 
 
 def skip_ids(lock: LockResult) -> dict:

@@ -1,4 +1,4 @@
-"""SGLang 0.5.19's ``BasePrefixCache`` over one kvcore backend, and its SWA, Mamba and unified variants.
+"""SGLang 0.5.19's ``BasePrefixCache`` over one kvcore backend, and its ``UnifiedRadixCache`` variants.
 
 Each class translates SGLang's params and results, lock results and KV events for the
 kvcore backend it holds (``kvcore_cache``), which runs on views of SGLang's own pools.
@@ -30,10 +30,9 @@ from kvcore_sglang.common.fill_ids import NO_IDS, FillIds, MatchedIds
 from kvcore_sglang.common.tree_cache import KvcoreCacheCore
 from kvcore_sglang.config import Target
 from kvcore_sglang.v0_5_19.events import EventTranslator
-from kvcore_sglang.v0_5_19.request_views import ReqView, SWAReqView, UnifiedSWAReqView, fill_len, skip_ids
+from kvcore_sglang.v0_5_19.request_views import ReqView, UnifiedSWAReqView, fill_len, skip_ids
 
-__all__ = ["KvcoreMambaTreeCache", "KvcoreSWATreeCache", "KvcoreTreeCache", "KvcoreUnifiedMambaTreeCache",
-           "KvcoreUnifiedSWATreeCache", "KvcoreUnifiedTreeCache"]
+__all__ = ["KvcoreTreeCache", "KvcoreUnifiedMambaTreeCache", "KvcoreUnifiedSWATreeCache", "KvcoreUnifiedTreeCache"]
 
 
 class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
@@ -51,10 +50,8 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
     insert_fields: tuple[str, ...] = ()
     insert_answers: tuple[str, ...] = ("last_device_node",)
 
-    def __init__(self, target: Target, kvcore_cache: Any, params: Any, *, chunk_when_disabled: bool = False):
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
         super().__init__(target, kvcore_cache, params)
-        # SGLang's UnifiedRadixCache, disabled, calls itself a chunk cache (its RadixCache does not).
-        self._chunk_when_disabled = chunk_when_disabled
         self.disable_finished_insert = bool(params.disable_finished_insert)
         if target.backend == "radix":
             self.insert_fields = ("priority", "chunked")
@@ -65,7 +62,7 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
 
     # -- traits (disable, root_node: KvcoreCacheCore)
     def is_chunk_cache(self) -> bool:
-        return bool(self.kvcore_cache.is_chunk_cache()) or (self._chunk_when_disabled and self.disable)
+        return bool(self.kvcore_cache.is_chunk_cache())
 
     # -- lookups (the key: KvcoreCacheCore._key)
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -92,8 +89,8 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
 
         As SGLang's trees do, the key is cut to whole pages and the value to the key, and a
         disabled cache inserts nothing.  Who frees the caller's slots of the part cached already
-        is as in SGLang's counterpart: the caller for ``RadixCache``; the insert itself for the
-        SWA, Mamba and unified trees (past ``prev_prefix_len``).  ``value=None`` takes the token
+        is as in SGLang's counterpart: the caller for ``RadixCache``; the insert itself for
+        ``UnifiedRadixCache`` (past ``prev_prefix_len``).  ``value=None`` takes the token
         ids as values (SGLang's fallback for a tree without pools): only a radix tree or a tree
         built without an allocator accepts it.
         """
@@ -159,102 +156,37 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
             self._events.feed(self.kvcore_cache.take_events())
 
 
+class KvcoreUnifiedTreeCache(KvcoreTreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` answered by kvcore's one tree; here its one component is full.
 
-class _FullPoolSizes:
-    """The full pool's sizes of a hybrid model's tree (SGLang's base answers 0 for a full-attention one)."""
-
-    kvcore_cache: Any
-
-    def full_evictable_size(self) -> int:
-        return int(self.kvcore_cache.full_evictable_size())
-
-    def full_protected_size(self) -> int:
-        return int(self.kvcore_cache.full_protected_size())
-
-
-class KvcoreSWATreeCache(_FullPoolSizes, KvcoreTreeCache):
-    """The window contract of SGLang 0.5.19's hybrid-SWA trees on kvcore's (full, swa) component set.
-
-    On top of the base: the window (``supports_swa``, ``sliding_window_size``), the
-    four full/window sizes, ``total_size() -> (full, swa)``, SGLang's window lock
-    handles (``swa_uuid_for_lock`` in ``IncLockRefResult``, ``DecLockRefParams`` and
-    ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction.  Served as SGLang's
-    ``UnifiedRadixCache`` answers it (:class:`KvcoreUnifiedSWATreeCache`), for both
-    ``kvcore-swa`` and ``kvcore-unified``: the two names build the same tree.
+    What SGLang's unified tree answers whatever its components: a disabled tree is a chunk
+    cache; ``insert`` takes every component's fields and answers the last node and
+    ``mamba_exist``; ``inc_lock_ref`` reports the full tokens it newly protected (its full
+    component's delta; SGLang's RadixCache reports the change in evictable tokens), the window
+    lock's stop and the tombstones it passed over (none without a swa component);
+    ``dec_lock_ref`` aggregates no delta; eviction takes every component's target and counts
+    full tokens only in its metrics; the full pool's sizes and ``total_size() -> (full tokens,
+    the other components' slots)``.  The hybrid models' component sets add their contracts
+    (:class:`KvcoreUnifiedSWATreeCache`, :class:`KvcoreUnifiedMambaTreeCache`).
     """
 
-    req_view: type[SWAReqView] = SWAReqView
-    insert_fields: tuple[str, ...] = ("prev_prefix_len", "swa_evicted_seqlen")
-    insert_answers: tuple[str, ...] = ()
+    insert_fields: tuple[str, ...] = ("prev_prefix_len", "swa_evicted_seqlen", "mamba_value", "chunked", "priority")
+    insert_answers: tuple[str, ...] = ("last_device_node", "mamba_exist")
 
-    def __init__(self, target: Target, kvcore_cache: Any, params: Any, **kw: Any):
-        super().__init__(target, kvcore_cache, params, **kw)
-        self.sliding_window_size = int(kvcore_cache.sliding_window_size)
-
-    def supports_swa(self) -> bool:
-        return True
+    def is_chunk_cache(self) -> bool:
+        # Disabled, SGLang's UnifiedRadixCache calls itself a chunk cache (its RadixCache does not).
+        return self.disable or super().is_chunk_cache()
 
     # -- eviction and locks
     def evict(self, params: EvictParams) -> EvictResult:
         start = time.perf_counter()
-        done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens)
-        full, swa = done.num_tokens_evicted, done.swa_num_tokens_evicted
-        # SGLang's UnifiedRadixCache counts full tokens only in its eviction metrics.
+        done = self.kvcore_cache.evict(params.num_tokens, swa_num_tokens=params.swa_num_tokens,
+                                       mamba_num=params.mamba_num)
+        full = done.num_tokens_evicted
         self.update_eviction_metrics(full, start)
         self._flush_events()
-        return EvictResult(num_tokens_evicted=full, swa_num_tokens_evicted=swa)
-
-    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
-        # SGLang's SWARadixCache reports no delta, only where the window lock stopped.
-        return IncLockRefResult(swa_uuid_for_lock=self.kvcore_cache.inc_lock_ref(node).stop)
-
-    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None, skip_swa: bool = False
-                     ) -> DecLockRefResult:
-        lock = (self.req_view.lock_from(None, swa_released=skip_swa) if params is None else
-                self.req_view.lock_from(params.swa_uuid_for_lock, params.skip_lock_node_ids, skip_swa))
-        self.kvcore_cache.dec_lock_ref(node, lock)
-        return DecLockRefResult()
-
-    def dec_swa_lock_only(self, node: Any, swa_uuid_for_lock: int | None = None,
-                          skip_lock_node_ids: Any = None) -> None:
-        # skip_lock_node_ids: SGLang's SWARadixCache ignores it; its UnifiedRadixCache's window release too.
-        self.kvcore_cache.dec_swa_lock_only(node, self.req_view.lock_from(swa_uuid_for_lock, skip_lock_node_ids))
-
-    # -- sizes (SGLang's SWARadixCache raises for the plain ones; the full side is answered; full_*: _FullPoolSizes)
-    def swa_evictable_size(self) -> int:
-        return int(self.kvcore_cache.swa_evictable_size())
-
-    def swa_protected_size(self) -> int:
-        return int(self.kvcore_cache.swa_protected_size())
-
-    def total_size(self) -> Any:
-        return int(self.kvcore_cache.total_size()), int(self.kvcore_cache.swa_total_size())
-
-    def available_and_evictable_str(self) -> str:
-        alloc = self.token_to_kv_pool_allocator
-        full, swa = alloc.full_available_size(), alloc.swa_available_size()
-        return (f"Available full tokens: {full + self.full_evictable_size()} ({full=} + "
-                f"full_evictable_size={self.full_evictable_size()})\n"
-                f"Available swa tokens: {swa + self.swa_evictable_size()} ({swa=} + "
-                f"swa_evictable_size={self.swa_evictable_size()})\n")
-
-
-class _UnifiedAnswers:
-    """What SGLang's ``UnifiedRadixCache`` answers whatever its components (kvcore's ``unified`` behind it).
-
-    A disabled tree is a chunk cache, and ``inc_lock_ref`` reports the full tokens it
-    newly protected (its full component's delta; SGLang's RadixCache reports the change in
-    evictable tokens), the window lock's stop and the tombstones it passed over (none
-    without a swa component).
-    """
-
-    kvcore_cache: Any
-    disable: bool
-    insert_fields: tuple[str, ...] = ("prev_prefix_len", "swa_evicted_seqlen", "chunked", "priority")
-    insert_answers: tuple[str, ...] = ("last_device_node",)
-
-    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
-        super().__init__(target, kvcore_cache, params, chunk_when_disabled=True)  # type: ignore[call-arg]
+        return EvictResult(num_tokens_evicted=full, swa_num_tokens_evicted=done.swa_num_tokens_evicted,
+                           mamba_num_evicted=done.mamba_num_evicted)
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable:
@@ -262,32 +194,72 @@ class _UnifiedAnswers:
         lock = self.kvcore_cache.inc_lock_ref(node)
         return IncLockRefResult(delta=lock.delta, swa_uuid_for_lock=lock.stop, skip_lock_node_ids=skip_ids(lock))
 
-
-class KvcoreUnifiedTreeCache(_UnifiedAnswers, KvcoreTreeCache):
-    """SGLang 0.5.19's ``UnifiedRadixCache`` with its one component full (a full-attention model)."""
-
-    def total_size(self) -> Any:
-        # SGLang's unified tree answers (full tokens, tokens of the other components): it has none here.
-        return int(self.kvcore_cache.total_size()), 0
-
     def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
         # SGLang's unified tree core aggregates no delta here ("no caller uses it yet").
         self.kvcore_cache.dec_lock_ref(node)
         return DecLockRefResult()
 
+    # -- sizes
+    def full_evictable_size(self) -> int:
+        return int(self.kvcore_cache.full_evictable_size())
 
-class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
-    """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + swa, answered by kvcore's ``unified``.
+    def full_protected_size(self) -> int:
+        return int(self.kvcore_cache.full_protected_size())
 
-    The window contract is the SWA tree's (:class:`KvcoreSWATreeCache`); where SGLang's
-    unified tree answers otherwise, its answers (:class:`_UnifiedAnswers`, and: the plain
-    sizes are the full pool's where its SWARadixCache raises for them, the lock's skipped
-    tombstones go back to ``dec_lock_ref`` through ``req.skip_lock_node_ids``, its eviction
-    metrics count full tokens only, and ``cache_unfinished_req`` first frees what left the
-    request's window (``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``, on by default in 0.5.19).
+    def total_size(self) -> Any:
+        return int(self.kvcore_cache.total_size()), self._other_total_size()
+
+    def _other_total_size(self) -> int:
+        """The slots the components other than full hold (none here)."""
+        return 0
+
+    # -- what SGLang's leak diagnosis (the scheduler's watchdog dump) reads
+    def all_values_flatten(self) -> torch.Tensor:
+        return self._tree_slots("full")
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        return self._tree_slots("mamba")
+
+    def _tree_slots(self, pool: str) -> torch.Tensor:
+        parts = [owned.slots.reshape(-1) for owned in self.kvcore_cache.iter_owned_slots() if owned.pool == pool]
+        return torch.cat(parts) if parts else torch.tensor([], dtype=torch.int64, device=self.device)
+
+    def available_and_evictable_str(self) -> str:
+        alloc = self.token_to_kv_pool_allocator
+        full = alloc.full_available_size() if self.supports_swa() else alloc.available_size()
+        full_ev = self.full_evictable_size()
+        lines = [f"Available full tokens: {full + full_ev} (full_available_size={full} + "
+                 f"full_evictable_size_={full_ev})"]
+        for name, available, evictable in self._other_availability():
+            lines.append(f"Available {name}: {available + evictable} (available_size={available} + "
+                         f"component_evictable_size_={evictable})")
+        return "\n".join(lines) + "\n"
+
+    def _other_availability(self) -> list[tuple[str, int, int]]:
+        """(component, free slots, evictable slots) of each component other than full (none here)."""
+        return []
+
+
+class KvcoreUnifiedSWATreeCache(KvcoreUnifiedTreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + swa (a hybrid SWA model).
+
+    ``kvcore-swa`` and ``kvcore-unified`` build the same tree here.  On top of the unified
+    answers: the window (``supports_swa``, ``sliding_window_size``), the window sizes and
+    ``total_size() -> (full, swa)``, SGLang's window lock handles (``swa_uuid_for_lock`` and the
+    skipped tombstones, back to ``dec_lock_ref`` through ``DecLockRefParams`` or the request's
+    fields, and ``skip_swa``), ``dec_swa_lock_only`` and two-pool eviction; the plain sizes are
+    the full pool's, and ``cache_unfinished_req`` first frees what left the request's window
+    (``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``, on by default in 0.5.19).
     """
 
-    req_view = UnifiedSWAReqView
+    req_view: type[UnifiedSWAReqView] = UnifiedSWAReqView
+
+    def __init__(self, target: Target, kvcore_cache: Any, params: Any):
+        super().__init__(target, kvcore_cache, params)
+        self.sliding_window_size = int(kvcore_cache.sliding_window_size)
+
+    def supports_swa(self) -> bool:
+        return True
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False, **kwargs: Any) -> None:
         if not self.disable and envs.SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS.get():
@@ -299,32 +271,43 @@ class KvcoreUnifiedSWATreeCache(_UnifiedAnswers, KvcoreSWATreeCache):
             )
         super().cache_unfinished_req(req, chunked, **kwargs)
 
-    def available_and_evictable_str(self) -> str:
-        alloc = self.token_to_kv_pool_allocator
-        full, swa = alloc.full_available_size(), alloc.swa_available_size()
-        full_ev, swa_ev = self.full_evictable_size(), self.swa_evictable_size()
-        return (f"Available full tokens: {full + full_ev} (full_available_size={full} + "
-                f"full_evictable_size_={full_ev})\n"
-                f"Available swa: {swa + swa_ev} (available_size={swa} + component_evictable_size_={swa_ev})\n")
+    # -- locks
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None, skip_swa: bool = False
+                     ) -> DecLockRefResult:
+        lock = (self.req_view.lock_from(None, swa_released=skip_swa) if params is None else
+                self.req_view.lock_from(params.swa_uuid_for_lock, params.skip_lock_node_ids, skip_swa))
+        self.kvcore_cache.dec_lock_ref(node, lock)
+        return DecLockRefResult()
+
+    def dec_swa_lock_only(self, node: Any, swa_uuid_for_lock: int | None = None,
+                          skip_lock_node_ids: Any = None) -> None:
+        self.kvcore_cache.dec_swa_lock_only(node, self.req_view.lock_from(swa_uuid_for_lock, skip_lock_node_ids))
+
+    # -- sizes (full_*: KvcoreUnifiedTreeCache)
+    def swa_evictable_size(self) -> int:
+        return int(self.kvcore_cache.swa_evictable_size())
+
+    def swa_protected_size(self) -> int:
+        return int(self.kvcore_cache.swa_protected_size())
+
+    def _other_total_size(self) -> int:
+        return int(self.kvcore_cache.swa_total_size())
+
+    def _other_availability(self) -> list[tuple[str, int, int]]:
+        return [("swa", int(self.token_to_kv_pool_allocator.swa_available_size()), self.swa_evictable_size())]
 
 
-class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
-    """The state contract of SGLang 0.5.19's hybrid-SSM trees on kvcore's (full, mamba) component set.
+class KvcoreUnifiedMambaTreeCache(KvcoreUnifiedTreeCache):
+    """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + mamba (a hybrid SSM model).
 
-    Served as SGLang's ``UnifiedRadixCache`` answers it (:class:`KvcoreUnifiedMambaTreeCache`), for
-    both ``kvcore-mamba`` and ``kvcore-unified`` on SGLang's ``HybridReqToTokenPool``.
-
-    On top of the base: ``supports_mamba``, the admission match's copy-on-write
-    (``MatchPrefixParams.cow_mamba`` with ``req``: a state slot for the request and
-    ``mamba_cow_src_index`` on its record, copied by the forward) and
-    ``mamba_branching_seqlen``, two-pool eviction (``EvictParams.mamba_num``), the
-    full/mamba sizes and ``total_size() -> (full tokens, states)``.  Locks answer empty
-    results, as SGLang's do.  The request's state fields are SGLang's own ``ReqKvInfo``
-    fields, read and written by the kvcore tree through :class:`MambaStateView`.
+    ``kvcore-mamba`` and ``kvcore-unified`` build the same tree here, on SGLang's
+    ``HybridReqToTokenPool``.  On top of the unified answers: ``supports_mamba``, the admission
+    match's copy-on-write (``MatchPrefixParams.cow_mamba`` with ``req``: a state slot for the
+    request and ``mamba_cow_src_index`` on its record, copied by the forward) and
+    ``mamba_branching_seqlen``, two-pool eviction (``EvictParams.mamba_num``), the mamba sizes
+    and ``total_size() -> (full tokens, states)``.  The request's state fields are SGLang's own
+    ``ReqKvInfo`` fields, read and written by the kvcore tree through :class:`MambaStateView`.
     """
-
-    insert_fields: tuple[str, ...] = ("mamba_value", "prev_prefix_len", "chunked", "priority")
-    insert_answers: tuple[str, ...] = ("mamba_exist",)
 
     def supports_mamba(self) -> bool:
         return True
@@ -333,7 +316,7 @@ class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
         slot = req.kv.mamba_pool_idx
         super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
         if slot is not None and req.kv.mamba_pool_idx is None and self._tree_took(slot):
-            # SGLang's Mamba trees donate a finished request's state slot to the tree and leave it on the
+            # SGLang's tree donates a finished request's state slot to the tree and leaves it on the
             # request's record (nothing frees it from there: the request is done; the tree owns the slot).
             # kvcore's record drops it; SGLang's scheduler and its checks read SGLang's.
             req.kv.mamba_pool_idx = slot
@@ -360,67 +343,15 @@ class KvcoreMambaTreeCache(_FullPoolSizes, KvcoreTreeCache):
         return MatchResult(device_indices=found.device_indices, last_device_node=node, last_host_node=node,
                            best_match_node=node, mamba_branching_seqlen=found.mamba_branching_seqlen)
 
-    # -- eviction and locks
-    def evict(self, params: EvictParams) -> EvictResult:
-        # SGLang's MambaRadixCache records no eviction metrics.
-        done = self.kvcore_cache.evict(params.num_tokens, mamba_num=params.mamba_num)
-        self._flush_events()
-        return EvictResult(num_tokens_evicted=done.num_tokens_evicted, mamba_num_evicted=done.mamba_num_evicted)
-
-    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
-        self.kvcore_cache.inc_lock_ref(node)
-        return IncLockRefResult()
-
-    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
-        self.kvcore_cache.dec_lock_ref(node)
-        return DecLockRefResult()
-
-    # -- sizes (SGLang's MambaRadixCache raises for the plain ones; the full side is answered; full_*: _FullPoolSizes)
+    # -- sizes (full_*: KvcoreUnifiedTreeCache)
     def mamba_evictable_size(self) -> int:
         return int(self.kvcore_cache.mamba_evictable_size())
 
     def mamba_protected_size(self) -> int:
         return int(self.kvcore_cache.mamba_protected_size())
 
-    def total_size(self) -> Any:
-        return int(self.kvcore_cache.total_size()), self.mamba_evictable_size() + self.mamba_protected_size()
+    def _other_total_size(self) -> int:
+        return self.mamba_evictable_size() + self.mamba_protected_size()
 
-    # -- what SGLang's leak diagnosis (the scheduler's watchdog dump) reads
-    def all_values_flatten(self) -> torch.Tensor:
-        return self._tree_slots("full")
-
-    def all_mamba_values_flatten(self) -> torch.Tensor:
-        return self._tree_slots("mamba")
-
-    def _tree_slots(self, pool: str) -> torch.Tensor:
-        parts = [owned.slots.reshape(-1) for owned in self.kvcore_cache.iter_owned_slots() if owned.pool == pool]
-        return torch.cat(parts) if parts else torch.tensor([])
-
-    def available_and_evictable_str(self) -> str:
-        full = self.token_to_kv_pool_allocator.available_size()
-        return (f"Available full tokens: {full + self.full_evictable_size()} ({full=} + "
-                f"full_evictable_size={self.full_evictable_size()})\n"
-                f"Available mamba states: {self.req_to_token_pool.mamba_allocator.available_size()} + "
-                f"mamba_evictable_size={self.mamba_evictable_size()}\n")
-
-
-class KvcoreUnifiedMambaTreeCache(_UnifiedAnswers, KvcoreMambaTreeCache):
-    """SGLang 0.5.19's ``UnifiedRadixCache`` with components full + mamba, answered by kvcore's ``unified``.
-
-    The state contract is the Mamba tree's (:class:`KvcoreMambaTreeCache`: the copy-on-write
-    match, ``mamba_branching_seqlen``, two-pool eviction, the full/mamba sizes, ``total_size()
-    -> (full tokens, states)``); the lock answers are SGLang's unified tree's
-    (:class:`_UnifiedAnswers`).
-    """
-
-    insert_fields = ("prev_prefix_len", "swa_evicted_seqlen", "mamba_value", "chunked", "priority")
-    insert_answers = ("last_device_node", "mamba_exist")
-
-    def available_and_evictable_str(self) -> str:
-        full = self.token_to_kv_pool_allocator.available_size()
-        states = self.req_to_token_pool.mamba_allocator.available_size()
-        full_ev, states_ev = self.full_evictable_size(), self.mamba_evictable_size()
-        return (f"Available full tokens: {full + full_ev} (full_available_size={full} + "
-                f"full_evictable_size_={full_ev})\n"
-                f"Available mamba: {states + states_ev} (available_size={states} + "
-                f"component_evictable_size_={states_ev})\n")
+    def _other_availability(self) -> list[tuple[str, int, int]]:
+        return [("mamba", int(self.req_to_token_pool.mamba_allocator.available_size()), self.mamba_evictable_size())]

@@ -29,12 +29,13 @@ __all__ = ["SERVED", "build_tree_cache"]
 #: What each kvcore backend serves on SGLang 0.5.23 (model kinds); the rest of config.TARGETS is refused by name.
 SERVED: dict[str, tuple[str, ...]] = {"radix": ("full",), "unified": ("full",), "chunk": ("full",)}
 
-# What the names SGLang 0.5.23 retired the trees of would serve, and why they are refused.
+# The names not served on SGLang 0.5.23 and why: each is kvcore's one tree with a hybrid model's components,
+# SGLang's UnifiedRadixCache with those components, which kvcore-unified does not serve there either.
 _NOT_YET = {
-    "swa": "SGLang 0.5.23 retired SWARadixCache (hybrid SWA models run on UnifiedRadixCache with components "
-           "full + swa), which kvcore-sglang does not serve on 0.5.23 yet",
-    "mamba": "SGLang 0.5.23 retired MambaRadixCache (hybrid SSM models run on UnifiedRadixCache with components "
-             "full + mamba), which kvcore-sglang does not serve on 0.5.23 yet",
+    "swa": "kvcore-swa is kvcore's one tree with components full + swa (SGLang's UnifiedRadixCache), which "
+           "kvcore-sglang does not serve on SGLang 0.5.23 yet",
+    "mamba": "kvcore-mamba is kvcore's one tree with components full + mamba (SGLang's UnifiedRadixCache), which "
+             "kvcore-sglang does not serve on SGLang 0.5.23 yet",
 }
 
 # Why kvcore-unified refuses the hybrid kinds on SGLang 0.5.23 (it serves component full alone there).
