@@ -1,4 +1,4 @@
-"""SGLang's real ``HybridReqToTokenPool`` / ``MambaPool`` (and its Mamba chunk-size setting), loaded on CPU.
+"""SGLang's real ``HybridReqToTokenPool`` / ``MambaPool`` (with its ``MambaSlotAllocator``), loaded on CPU.
 
     from tools.sglang_mamba_shim import load_sglang_mamba
     sg = load_sglang_mamba()          # ImportError without a source tree (KVCORE_SGLANG_SRC)
@@ -10,13 +10,14 @@
 
 Built on :mod:`tools.sglang_swa_shim`.  On top of it this only:
 
-* executes ``mem_cache/allocator/mamba.py`` (``MambaSlotAllocator``) and
-  ``mem_cache/mamba_radix_cache.py`` from SGLang's source as real modules;
+* executes ``mem_cache/allocator/mamba.py`` (``MambaSlotAllocator``) from SGLang's source as
+  a real module;
 * lifts ``MambaPool`` and ``HybridReqToTokenPool`` (with the two helpers they call) from
   ``memory_pool.py`` by AST into the loader's ``memory_pool`` module, with the platform
   flags of a plain CPU (no NPU, no AMX, no custom memory pool) and no int8 checkpoint pool;
-* answers ``mamba_cache_chunk_size()`` (a server-args lookup in SGLang) with the chunk size
-  the caller picks (:func:`set_chunk_size`).
+* plays SGLang's scheduler's Mamba tracking decision (:func:`track_like_scheduler`).
+
+The Mamba chunk size is the tree's setting: :mod:`tools.sglang_unified_shim` answers it.
 
 Nothing of SGLang is copied into this repository; the source tree is read at run time.
 """
@@ -42,7 +43,7 @@ from tools.sglang_swa_shim import load_sglang_swa
 
 __all__ = ["load_sglang_mamba", "default_src"]
 
-REAL = ("sglang.srt.mem_cache.allocator.mamba", "sglang.srt.mem_cache.mamba_radix_cache")
+REAL = ("sglang.srt.mem_cache.allocator.mamba",)
 
 
 def cache_params(conv_shapes: Any = ((6, 3),), temporal_shape: Any = (2, 4, 4), dtype: Any = torch.float32) -> Any:
@@ -85,7 +86,7 @@ def track_like_scheduler(sreq: Any, pool: Any, start: int, end: int, *, prefill:
 
 
 def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> types.SimpleNamespace:
-    """The sliding-window namespace plus SGLang's Mamba pools and ``MambaRadixCache``."""
+    """The sliding-window namespace plus SGLang's Mamba pools (``MambaPool``, ``HybridReqToTokenPool``)."""
     sg = load_sglang_swa(src, real=REAL + real)
     imp = importlib.import_module
     imp("sglang.srt.mem_cache.mamba_checkpoint_pool").maybe_init_int8_mamba_checkpoint_pool = (
@@ -106,14 +107,6 @@ def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> 
     )
     lift(srt_path(sg.src, "mem_cache", "memory_pool.py"),
          ["get_tensor_size_bytes", "conv_window_dedup_enabled", "MambaPool", "HybridReqToTokenPool"], pool_ns)
-    chunk = {"size": 64}
-    mrc = imp("sglang.srt.mem_cache.mamba_radix_cache")
-    mrc.mamba_cache_chunk_size = lambda: chunk["size"]
-
-    def set_chunk_size(size: int) -> None:
-        """What SGLang's server args answer for ``mamba_cache_chunk_size()`` from now on."""
-        chunk["size"] = size
-
     def make_hybrid_pool(num_reqs: int, mamba_size: int, max_context_len: int, *, num_layers: int = 2,
                          conv_shapes: Any = ((6, 3),), temporal_shape: Any = (2, 4, 4), dtype: Any = torch.float32,
                          extra_buffer: bool = False) -> Any:
@@ -126,12 +119,9 @@ def load_sglang_mamba(src: str | None = None, *, real: tuple[str, ...] = ()) -> 
         )
 
     ns = types.SimpleNamespace(**vars(sg))
-    ns.mamba_radix_cache = mrc
-    ns.MambaRadixCache = mrc.MambaRadixCache
     ns.MambaPool = pool_ns["MambaPool"]
     ns.HybridReqToTokenPool = pool_ns["HybridReqToTokenPool"]
     ns.MambaSlotAllocator = mamba_alloc.MambaSlotAllocator
-    ns.set_chunk_size = set_chunk_size
     ns.track_like_scheduler = track_like_scheduler
     ns.make_hybrid_pool = make_hybrid_pool
     return ns

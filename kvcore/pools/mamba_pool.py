@@ -40,7 +40,8 @@ class MambaReqState:
     ``mamba_cow_src_index``: the tree node's slot (a one-slot tensor) whose state must be
     copied into ``mamba_pool_idx`` before the next forward (``match_prefix(cow_mamba=True)``);
     ``mamba_needs_clear``: the slot is fresh and must be zeroed first.  ``mamba_branching_seqlen``:
-    the last match's branching point (see ``MambaRadixCache.match_prefix``).
+    the last match's branching point (the mamba component's ``finish_match``: the matched full KV,
+    floored to the chunk grid, when that lies past the matched state; else None).
     """
 
     mamba_pool_idx: torch.Tensor | None = None
@@ -56,8 +57,8 @@ class MambaReqState:
     # kvcore has no forward: how far the cache has replayed SGLang's tracking rules (None: from
     # ``cache_protected_len``, the admission prefix).
     mamba_tracked_len: int | None = None
-    # Set by MambaRadixCache.match_request: the locked node whose state the request
-    # copies when HybridReqToTokenPool.alloc gives it its slot (the engine's COW).
+    # Set by the mamba component's on_match_request (the tree's match_request): the locked node
+    # whose state the request copies when HybridReqToTokenPool.alloc gives it its slot (the engine's COW).
     cow_node: Any = None
 
     @property

@@ -240,6 +240,58 @@ def test_a_lock_holds_the_path_and_its_own_state_only():
     check_invariants(cache)
 
 
+# ----------------------------------------------------------------------------- where SGLang's legacy tree differed
+# ``mamba`` gives SGLang's UnifiedRadixCache (full, mamba) answers; its legacy MambaRadixCache differed here
+# (the README lists each difference).
+
+def test_an_insert_that_finds_the_state_makes_it_the_most_recent():
+    cache = build()
+    put(cache, [1, 1])
+    put(cache, [2, 2])
+    res, _ = put(cache, [1, 1])        # the state is there: refreshed (the legacy tree left its state LRU alone)
+    assert res.mamba_exist and res.prefix_len == 2
+    res = cache.evict(0, mamba_num=1)  # so [2, 2] is the least recently used state now
+    assert (res.num_tokens_evicted, res.mamba_num_evicted) == (2, 1)
+    assert cache.match_prefix([1, 1, 9]).prefix_len == 2
+    assert cache.match_prefix([2, 2, 9]).prefix_len == 0
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("split_by", ["match", "insert"])
+def test_a_split_makes_the_lower_part_s_state_the_most_recent(split_by):
+    cache = build()
+    put(cache, [1, 2, 3, 4])
+    put(cache, [5, 5])
+    if split_by == "match":
+        assert cache.match_prefix([1, 2, 9]).prefix_len == 0   # splits [1, 2, 3, 4] at 2: no state on [1, 2]
+    else:
+        put(cache, [1, 2, 7])                                  # splits it at 2 and adds [7] below
+    # The split re-queued [3, 4] (with its state) as the most recent: [5, 5] is the LRU state now
+    # (the legacy tree kept the state's place and evicted [1, 2, 3, 4]).
+    res = cache.evict(0, mamba_num=1)
+    assert (res.num_tokens_evicted, res.mamba_num_evicted) == (2, 1)
+    assert cache.match_prefix([5, 5, 9]).prefix_len == 0
+    assert cache.match_prefix([1, 2, 3, 4, 9]).prefix_len == 4
+    cache.sanity_check()
+    check_invariants(cache)
+
+
+def test_the_branching_point_lies_past_the_matched_state():
+    cache = build()                                   # mamba_cache_chunk_size=4
+    put(cache, list(range(1, 7)))
+    put(cache, list(range(1, 11)))
+    assert cache.evict(0, mamba_num=1).mamba_num_evicted == 1   # [1..6] becomes a tombstone
+    put(cache, list(range(1, 6)))                     # splits it: [1..5] with a state, [6] a tombstone
+    m = cache.match_prefix(list(range(1, 7)) + [99])
+    # 6 tokens of full KV matched, floored to the chunk: 4, not past the state at 5: no branching point
+    # (the legacy tree answered 4, a point its state at 5 already covers).
+    assert m.prefix_len == 5 and m.mamba_branching_seqlen is None
+    m = cache.match_prefix(list(range(1, 10)) + [99])
+    assert m.prefix_len == 5 and m.mamba_branching_seqlen == 8
+    cache.sanity_check()
+    check_invariants(cache)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_input_is_refused_with_nothing_changed():

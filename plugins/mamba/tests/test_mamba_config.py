@@ -33,3 +33,19 @@ def test_zero_is_the_plain_row_pool():
     assert eng.admit(r) and eng.extend(r)
     eng.finish(r)
     kvcore.InvariantChecker(cache).check([])
+
+
+def test_mamba_is_the_one_tree_with_full_and_the_mamba_component():
+    from kvcore_mamba.component import MambaComponent
+
+    from kvcore.tree.unified import UnifiedRadixCache
+
+    cache = create_cache("mamba", size=64, max_num_reqs=2, max_context_len=32)
+    assert type(cache) is UnifiedRadixCache
+    assert [c.name for c in cache.components] == ["full", "mamba"]
+    assert type(cache.components[1]) is MambaComponent       # this distribution's component
+    same = create_cache("unified", components=("full", "mamba"), size=64, max_num_reqs=2, max_context_len=32)
+    assert type(same) is UnifiedRadixCache and [type(c) for c in same.components] == [type(c) for c in cache.components]
+    with pytest.raises(ConfigError, match=r"component set \('full', 'mamba'\)"):
+        create_cache("mamba", size=64, components=("full", "swa"))
+    kvcore.InvariantChecker(cache).check([])

@@ -1,9 +1,10 @@
 """kvcore-mamba and kvcore-unified (components full + mamba) against SGLang 0.5.19's ``UnifiedRadixCache``.
 
 On a hybrid SSM model SGLang's default tree is its ``UnifiedRadixCache`` with components FULL
-and MAMBA; ``kvcore-mamba`` is kvcore's one tree with components ("full", "mamba"), the same
-tree ``kvcore-unified`` builds there.  (SGLang's legacy ``MambaRadixCache`` answers otherwise
-in places: kvcore-mamba's README lists where.)
+and MAMBA (``registry._create_unified_radix_cache``); ``kvcore-mamba`` is kvcore's one tree with
+components ("full", "mamba"), the same tree ``kvcore-unified`` builds there, so every case runs
+under both names.  (SGLang's legacy ``MambaRadixCache`` answers otherwise in places:
+kvcore-mamba's README lists where.)
 
 Two worlds, each with SGLang's own pools (``HybridReqToTokenPool`` over a ``MambaPool`` of
 two small layers and its ``MambaSlotAllocator``, a ``TokenToKVPoolAllocator``), run one
@@ -22,8 +23,8 @@ copy-on-write source, clear mark), the tree (slots, both locks, states) and the 
 SGLang's pool checks (full and mamba) and the tree's sanity check must hold in both worlds,
 and kvcore's ``InvariantChecker`` in the kvcore world.
 
-Served: SGLang's no-buffer strategy (page size 1).  The extra-buffer strategy is refused
-(``test_registration.py``).  Stubbed (CPU only): ``write_cache_indices`` and the model
+Both Mamba strategies: no-buffer (page size 1) and extra-buffer (two ping-pong tracking slots
+per request; page size 4, and 1).  Stubbed (CPU only): ``write_cache_indices`` and the model
 forward, as in ``test_request_path_differential.py``.
 """
 
@@ -38,15 +39,19 @@ from tools.sglang_request_path_shim import MambaWorld, run_stream
 
 pytestmark = pytest.mark.usefixtures("sglang_request_path")
 
+# kvcore's names for the one tree with components (full, mamba) on a hybrid SSM model.
+NAMES = pytest.mark.parametrize("kvcore_name", ["kvcore-unified", "kvcore-mamba"], ids=["unified", "mamba"])
+
 # full pool, state slots, mamba_cache_chunk_size
 CONFIGS = [(160, 40, 8), (128, 32, 4), (160, 24, 16)]
 
 
+@NAMES
 @pytest.mark.parametrize(("size", "mamba_size", "chunk_size"), CONFIGS)
-def test_kvcore_mamba_matches_sglang_unified_radix_cache(size, mamba_size, chunk_size):
+def test_matches_sglang_unified_radix_cache(kvcore_name, size, mamba_size, chunk_size):
     total: Counter = Counter()
     for seed in range(4):
-        total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=1, steps=250,
+        total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name=kvcore_name, page_size=1, steps=250,
                                 world=MambaWorld, size=size,
                                 world_options=dict(mamba_size=mamba_size, chunk_size=chunk_size),
                                 chunks=(4, 8, 16, 1000), enable_kv_cache_events=seed % 2 == 0))
@@ -59,20 +64,21 @@ def test_kvcore_mamba_matches_sglang_unified_radix_cache(size, mamba_size, chunk
 EXTRA_BUFFER_CONFIGS = [(4, 160, 40, 8, 16), (4, 192, 48, 16, 32), (1, 112, 40, 4, 8)]
 
 
+@NAMES
 @pytest.mark.parametrize(("page_size", "size", "mamba_size", "chunk_size", "interval"), EXTRA_BUFFER_CONFIGS)
-def test_kvcore_mamba_extra_buffer_matches_sglang(page_size, size, mamba_size, chunk_size, interval):
+def test_extra_buffer_matches_sglang(kvcore_name, page_size, size, mamba_size, chunk_size, interval):
     """SGLang's extra-buffer strategy: two ping-pong tracking slots per request, snapshots the scheduler decides.
 
     SGLang's own ``_mamba_radix_cache_v2_req_prepare_for_extend`` tracks each prefill extend and
     the decode steps reaching ``mamba_track_grid`` track there (the shim's ``track_slot``); the
-    kernel's write of the snapshot is the forward's copy into the tracked slot.  kvcore-mamba
-    reads the tracking fields SGLang's scheduler wrote (it replays nothing) and donates the
-    tracked slot through SGLang's ``set_mamba_ping_pong_slot``.
+    kernel's write of the snapshot is the forward's copy into the tracked slot.  kvcore reads the
+    tracking fields SGLang's scheduler wrote (it replays nothing) and donates the tracked slot
+    through SGLang's ``set_mamba_ping_pong_slot``.
     """
     total: Counter = Counter()
     with get_context().override_server_args(mamba_track_interval=interval):
         for seed in range(3):
-            total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=page_size,
+            total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name=kvcore_name, page_size=page_size,
                                     steps=250, world=MambaWorld, size=size, finish_weight=1,
                                     world_options=dict(mamba_size=mamba_size, chunk_size=chunk_size,
                                                        extra_buffer=True),
@@ -81,29 +87,16 @@ def test_kvcore_mamba_extra_buffer_matches_sglang(page_size, size, mamba_size, c
         assert total[what] > 0, total
 
 
-def test_kvcore_mamba_strict_slot_checks_change_nothing(monkeypatch):
-    """KVCORE_SGLANG_STRICT=1: kvcore-mamba claims its full slots and state slots in the views of SGLang's pools."""
+@NAMES
+def test_strict_slot_checks_change_nothing(kvcore_name, monkeypatch):
+    """KVCORE_SGLANG_STRICT=1: kvcore claims its full slots and state slots in the views of SGLang's pools."""
     monkeypatch.setenv("KVCORE_SGLANG_STRICT", "1")
-    run_stream(2, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=1, steps=200, world=MambaWorld,
+    run_stream(2, cache_kind="unified-mamba", kvcore_name=kvcore_name, page_size=1, steps=200, world=MambaWorld,
                size=112, world_options=dict(mamba_size=24, chunk_size=4), chunks=(4, 8, 1000))
 
 
-def test_kvcore_mamba_disabled_matches_sglang():
+@NAMES
+def test_disabled_matches_sglang(kvcore_name):
     """``disable``: nothing matched or kept, every state slot given back with its request."""
-    run_stream(3, cache_kind="unified-mamba", kvcore_name="kvcore-mamba", page_size=1, steps=150, world=MambaWorld,
+    run_stream(3, cache_kind="unified-mamba", kvcore_name=kvcore_name, page_size=1, steps=150, world=MambaWorld,
                size=160, world_options=dict(mamba_size=24, chunk_size=4), chunks=(1000,), disable=True)
-
-
-@pytest.mark.parametrize(("page_size", "extra_buffer"), [(1, False), (4, True)])
-def test_kvcore_unified_matches_sglang_unified_radix_cache_on_a_hybrid_ssm_model(page_size, extra_buffer):
-    """``kvcore-unified`` on a hybrid SSM model: kvcore's unified tree, components full + mamba, against SGLang's
-    default ``UnifiedRadixCache`` with the same components (``registry._create_unified_radix_cache``)."""
-    total: Counter = Counter()
-    with get_context().override_server_args(mamba_track_interval=16):
-        for seed in range(3):
-            total.update(run_stream(seed, cache_kind="unified-mamba", kvcore_name="kvcore-unified",
-                                    page_size=page_size, steps=250, world=MambaWorld, size=160, finish_weight=1,
-                                    world_options=dict(mamba_size=40, chunk_size=8, extra_buffer=extra_buffer),
-                                    chunks=(8, 16, 1000), enable_kv_cache_events=seed % 2 == 1))
-    for what in ("admit", "chunk", "decode", "finish", "abort", "retract", "evict", "match_waiting"):
-        assert total[what] > 0, total

@@ -1,5 +1,7 @@
 """``unified`` with a mamba component: requests at page size > 1 (SGLang's extra-buffer mode) and
 retraction offload of the request's state, driven through kvcore.Engine with the checker after every step.
+
+``mamba`` is the same tree with the same components (full, mamba): each scenario runs under both names.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from kvcore.engine import Engine
 KV = dict(num_layers=2, num_heads=1, head_dim=2, dtype="float32")
 
 
-def _build(page: int, **extra):
+BACKENDS = ["unified-mamba", "mamba"]
+
+
+def _build(page: int, backend: str = "unified-mamba", **extra):
     opts: dict = dict(size=96 * page, page_size=page, max_num_reqs=6, max_context_len=64 * page,
                       mamba_cache_chunk_size=2 * page, kv_buffer=KV)
     opts.update(extra)
-    return kvcore.create_cache("unified-mamba", **opts)
+    return kvcore.create_cache(backend, **opts)
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -40,9 +45,10 @@ def run_to_decode(eng: Engine, req: Req, steps: int, live: tuple = ()) -> None:
         eng.check(owners)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page", [1, 4], ids=lambda p: f"page{p}")
-def test_offload_retract_keeps_and_restores_the_state(page):
-    cache = _build(page)
+def test_offload_retract_keeps_and_restores_the_state(page, backend):
+    cache = _build(page, backend)
     eng = Engine(cache)
     total = free_counts(cache)
     other = Req("o", toks(500, 2 * page + 3))
@@ -80,8 +86,9 @@ def test_offload_retract_keeps_and_restores_the_state(page):
     assert free_counts(cache) == total
 
 
-def test_restore_without_a_state_slot_is_refused():
-    cache = _build(1)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restore_without_a_state_slot_is_refused(backend):
+    cache = _build(1, backend)
     r = Req("r", toks(0, 5))
     backup_like = {"mamba": {"conv": [torch.zeros(2, 1, 6, 3)], "temporal": torch.zeros(2, 1, 2, 4, 4)}}
     before = free_counts(cache)
@@ -90,21 +97,24 @@ def test_restore_without_a_state_slot_is_refused():
     assert free_counts(cache) == before
 
 
-def test_backup_of_a_request_without_state_is_none():
-    cache = _build(4)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backup_of_a_request_without_state_is_none(backend):
+    cache = _build(4, backend)
     assert cache.backup_request_state(Req("r", toks(0, 5))) is None
 
 
-def test_chunk_not_a_multiple_of_the_page_is_refused():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_not_a_multiple_of_the_page_is_refused(backend):
     with pytest.raises(ValueError, match="mamba_cache_chunk_size=6 must be a multiple of page_size=4"):
-        kvcore.create_cache("unified-mamba", size=256, page_size=4, mamba_cache_chunk_size=6)
+        kvcore.create_cache(backend, size=256, page_size=4, mamba_cache_chunk_size=6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk_tokens", [None, 8], ids=["whole", "chunked"])
-def test_paged_requests_cache_tracked_snapshots_only(chunk_tokens):
+def test_paged_requests_cache_tracked_snapshots_only(chunk_tokens, backend):
     """Page 4: shared-prefix requests reuse the tracked snapshots; every slot comes back at the end."""
     page = 4
-    cache = _build(page, mamba_track_interval=8)
+    cache = _build(page, backend, mamba_track_interval=8)
     eng = Engine(cache)
     total = free_counts(cache)
     stem = toks(0, 6 * page)
