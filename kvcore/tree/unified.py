@@ -65,7 +65,7 @@ from kvcore.tree import (
     tree_lines,
 )
 from kvcore.tree.policies import LRUStrategy
-from kvcore.tree.unified_config import UnifiedConfig
+from kvcore.tree.unified_config import RadixTreeConfig, UnifiedConfig
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -155,7 +155,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self.eviction_policy = str(config.eviction_policy).lower()
         self.enable_kv_events = bool(config.enable_kv_events)
         # key_validation="stored": match_prefix checks no id past the cached part.
-        self._check_match_tail = getattr(config, "key_validation", "full") != "stored"
+        self._check_match_tail = not (isinstance(config, RadixTreeConfig) and config.key_validation == "stored")
         # RadixCache: every registered policy (equal priorities oldest node first, or newest first for the
         # policies that evict the newest: the strategy's newest_first).  UnifiedRadixCache: recency.
         self.eviction_strategy = resolve_policy(self.eviction_policy) if self.radix else LRUStrategy()
