@@ -9,7 +9,10 @@ request's chunks other requests match, split, insert, lock, evict and finish.
 After every operation both must agree on everything observable: the whole tree
 (keys, slots, locks, hit counts, priorities, access and creation times, creation
 order), sizes, the free list and the claimed slots, the KV events, and each
-request's protected length, ``prefix_indices``, lock and node.
+request's protected length, ``prefix_indices``, lock and node.  Component sets
+(swa, mamba, both, the example's stamp) add each component's values, locks and
+LRU order, every pool's free list, and the window frees and window-lock releases
+of a sliding-window model between chunks.
 """
 
 from __future__ import annotations
@@ -25,11 +28,21 @@ from kvcore import InvariantChecker, RadixKey
 from kvcore.record import Req
 
 BACKENDS = ["radix", "unified", "example"]
+# Component sets of the one tree (kvcore.tree.unified): the resumed insert runs every component's part.
+COMPONENT_SETS = ["swa", "mamba", "unified-swa", "unified-mamba", "full-swa-mamba", "example-component"]
 
 
 def _make(backend: str, ps: int, policy: str) -> kvcore.BasePrefixCache:
-    opts = {"eviction_policy": policy} if backend == "radix" else {}
-    cache = kvcore.create_cache(backend, size=96 * ps if ps > 1 else 320, page_size=ps, max_num_reqs=6,
+    opts: dict = {"eviction_policy": policy} if backend == "radix" else {}
+    size = 96 * ps if ps > 1 else 320
+    if backend == "full-swa-mamba":
+        backend = "unified"
+        opts["components"] = ("full", "swa", "mamba")
+    if backend in ("swa", "unified-swa") or "components" in opts:
+        opts.update(sliding_window_size=2 * ps + 5, swa_size=size)
+    if backend in ("mamba", "unified-mamba") or "components" in opts:
+        opts.update(mamba_size=30)
+    cache = kvcore.create_cache(backend, size=size, page_size=ps, max_num_reqs=6,
                                 max_context_len=200, enable_kv_events=True, **opts)
     if backend == "radix":
         cache.clock = itertools.count(1000).__next__  # the same readings on both sides, or a difference
@@ -54,16 +67,25 @@ def _path_key(node) -> tuple:
     return tuple(reversed(parts))
 
 
+def _components(cache) -> tuple:
+    """The aux components of a one-tree cache (none for other trees)."""
+    return tuple(getattr(cache, "aux", ()))
+
+
 def _dump(cache) -> list:
     nodes = _nodes(cache)
     order = {x.id: i for i, x in enumerate(sorted(nodes, key=lambda x: x.id))}
+    comps = _components(cache)
     rows = []
     for x in nodes:
+        parts = tuple((c.value_len(x), c.lock_ref(x), repr(getattr(x, f"{c.name}_value", None))) for c in comps)
         rows.append((_path_key(x), str(x.extra_key), tuple(x.value.tolist()), x.lock_ref, x.hit_count,
-                     x.priority, x.last_access_time, x.creation_time, order[x.id]))
+                     x.priority, x.last_access_time, x.creation_time, order[x.id], parts))
     root = cache.root_node
     rows.sort(key=repr)
-    return [(root.last_access_time, root.priority)] + rows
+    lrus = [[_path_key(x) for x in c.lru] for c in comps if hasattr(c, "lru")]
+    pools = [(v.name, v.allocator.free_slots().tolist()) for v in cache.pools()]
+    return [(root.last_access_time, root.priority), lrus, pools, cache.cached_sizes(), cache.stats()] + rows
 
 
 class Side:
@@ -86,11 +108,12 @@ class Side:
         reqs = []
         for rid, r in sorted(self.reqs.items()):
             lock = r.lock
-            reqs.append((rid, r.kv.cache_protected_len, r.kv.kv_committed_len, r.prefix_indices.tolist(),
+            reqs.append((rid, r.kv.cache_protected_len, r.kv.kv_committed_len, r.kv.swa_evicted_seqlen,
+                         r.prefix_indices.tolist(), repr(r.kv.components),
                          str(r.prefix_indices.dtype), _path_key(r.last_node) if r.last_node is not None else None,
                          None if lock is None else (lock.delta, lock.released)))
-        return (_dump(c), c.evictable_size(), c.protected_size(), self.alloc.available_size(),
-                self.alloc.free_slots().tolist(), self.alloc.claimed_slots().tolist(),
+        claimed = [v.allocator.claimed_slots().tolist() for v in c.pools() if hasattr(v.allocator, "claimed_slots")]
+        return (_dump(c), c.evictable_size(), c.protected_size(), self.alloc.available_size(), claimed,
                 [repr(e) for e in c.take_events()], reqs)
 
 
@@ -143,17 +166,23 @@ class Pair:
             self.both(f"extend {rid} +{step}", extend)
         elif op < 0.58 and live:
             rid = rng.choice(live)
-            tok = rng.randrange(2, 9)
+            # Several decode steps before the next insert: a window model frees what left the window
+            # meanwhile, so the insert may end on a node without window slots (a shorter re-match).
+            toks = [rng.randrange(2, 9) for _ in range(rng.choice([1, 1, 2, rng.randrange(3, 6 * ps + 12)]))]
 
             def decode(s: Side) -> int:
                 req = s.reqs[rid]
                 if req.kv.kv_committed_len < req.seqlen:
                     return -1
-                n = s.engine.decode([req], [tok])
+                n = 0
+                for tok in toks:
+                    if req.kv.kv_committed_len + 1 >= 200 or not s.engine.decode([req], [tok]):
+                        break
+                    n += 1
                 if n:
                     s.lifecycle(req, lambda: kvcore.cache_unfinished_req(req, s.cache))
                 return n
-            self.both(f"decode {rid}", decode)
+            self.both(f"decode {rid} x{len(toks)}", decode)
         elif op < 0.66 and live:
             rid = live[rng.randrange(len(live))]
 
@@ -171,11 +200,15 @@ class Pair:
             key = self.prompt()
             n = len(key) - len(key) % ps
 
-            def insert(s: Side) -> int:
+            def insert(s: Side) -> int | str:
                 if n == 0 or s.alloc.available_size() < n:
                     return -1
                 v = s.alloc.alloc(n)
-                r = s.cache.insert(RadixKey(key[:n]), v)
+                try:
+                    r = s.cache.insert(RadixKey(key[:n]), v)
+                except ValueError as exc:  # (mamba: no state slot for the key)
+                    s.alloc.free(v)
+                    return str(exc)
                 if not r.duplicates_freed:
                     s.alloc.free(v[: r.prefix_len])
                 return r.prefix_len
@@ -220,6 +253,13 @@ def test_resumed_insert_same_as_whole_prefix(backend: str, ps: int, seed: int) -
     Pair(backend, ps, "lru", seed).run(160)
 
 
+@pytest.mark.parametrize("backend", COMPONENT_SETS)
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_component_sets_resumed_insert_same_as_whole_prefix(backend: str, ps: int, seed: int) -> None:
+    Pair(backend, ps, "lru", seed).run(160)
+
+
 @pytest.mark.parametrize("policy", ["lfu", "priority", "fifo"])
 def test_resumed_insert_same_as_whole_prefix_policies(policy: str) -> None:
     Pair("radix", 4, policy, 7).run(160)
@@ -259,12 +299,12 @@ def _split_and_share(s: Side, k: int) -> None:
         s.cache.evict(10**6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
 def test_chunked_prefill_under_interleavings(backend: str) -> None:
     assert _chunked(backend, True, _split_and_share) == _chunked(backend, False, _split_and_share)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
 def test_resumed_prefix_indices_are_a_view_with_stable_content(backend: str) -> None:
     s = Side(backend, 4, "lru", True)
     req = Req("long", list(range(2, 130)))
@@ -274,7 +314,8 @@ def test_resumed_prefix_indices_are_a_view_with_stable_content(backend: str) -> 
     for _ in range(6):
         assert s.engine.extend(req, req.kv.kv_committed_len + 16)
         seen.append((req.prefix_indices, req.prefix_indices.tolist()))
-        assert req.kv.resume is not None and req.kv.resume.length == req.kv.cache_protected_len
+        if req.kv.cache_protected_len:  # (mamba at pages > 1 caches only its tracked snapshots)
+            assert req.kv.resume is not None and req.kv.resume.length == req.kv.cache_protected_len
     row = s.cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     assert req.prefix_indices.tolist() == row[: req.kv.kv_committed_len].tolist()
     for t, content in seen:  # a later chunk never rewrites what an earlier answer showed
@@ -283,7 +324,7 @@ def test_resumed_prefix_indices_are_a_view_with_stable_content(backend: str) -> 
     assert req.kv.resume is None
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
 def test_a_garbage_row_prefix_is_not_read(backend: str) -> None:
     """The tree owns ``[0, cache_protected_len)`` of the row: writing there changes neither path's answer."""
     def garbage(s: Side, k: int) -> None:
@@ -350,7 +391,7 @@ GARBAGE = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
 @pytest.mark.parametrize("resumed", [True, False])
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
 def test_a_garbage_row_is_refused_before_anything_changes(backend: str, resumed: bool, kind: str) -> None:
@@ -358,7 +399,7 @@ def test_a_garbage_row_is_refused_before_anything_changes(backend: str, resumed:
     s, a, b = _garbage_row_setup(backend)
     r2t = s.cache.req_to_token_pool.req_to_token
     row, brow = r2t[a.kv.req_pool_idx], r2t[b.kv.req_pool_idx]
-    pos, slot = GARBAGE[kind](row, brow, s.alloc.free_slots())
+    pos, slot = GARBAGE[kind](row, brow, s.cache.pools()[0].allocator.free_slots())  # the full pool
     saved = int(row[pos])
     row[pos] = slot
     if not resumed:
@@ -373,3 +414,37 @@ def test_a_garbage_row_is_refused_before_anything_changes(backend: str, resumed:
     for rid in ("a", "b"):
         s.engine.finish(s.reqs.pop(rid))
     InvariantChecker(s.cache).check([])
+
+
+def _decoded_past_the_window(backend: str, resume: bool, decoded: int) -> tuple:
+    """A prefill in chunks, then ``decoded`` decode steps (each freeing what left the window), then an insert:
+    the inserted node may hold too few window tokens, so the re-match ends above it."""
+    s = Side(backend, 4, "lru", resume)
+    req = Req("a", list(range(2, 42)))
+    s.reqs["a"] = req
+    assert s.engine.admit(req)
+    states = []
+    for end in (16, 40):
+        s.lifecycle(req, lambda end=end: s.engine.extend(req, end))
+        states.append(s.state())
+    for _ in range(decoded):
+        assert s.engine.decode([req], [5])
+    s.lifecycle(req, lambda: kvcore.cache_unfinished_req(req, s.cache))
+    states.append(s.state())
+    rematch = s.cache.match_prefix(RadixKey(req.fill_ids[: req.kv.cache_protected_len])).device_indices.numel()
+    states.append(s.state())
+    s.lifecycle(req, lambda: s.engine.finish(s.reqs.pop("a")))
+    states.append(s.state())
+    InvariantChecker(s.cache).check([])
+    return tuple(states), rematch < req.kv.cache_protected_len
+
+
+@pytest.mark.parametrize("backend", ["swa", "unified-swa"])
+def test_window_limited_rematch_same_as_whole_prefix(backend: str) -> None:
+    limited = 0
+    for decoded in range(1, 30):
+        a, short = _decoded_past_the_window(backend, True, decoded)
+        b, _ = _decoded_past_the_window(backend, False, decoded)
+        assert a == b, f"{decoded} decode steps: resumed and whole-prefix paths differ"
+        limited += short
+    assert limited, "no run ended on a node with too few window tokens: the case this test is for"

@@ -131,7 +131,7 @@ from kvcore.tree.node import (
     unlock_path,
 )
 from kvcore.tree.policies import BUILTIN_POLICIES, EvictionStrategy, resolve_policy
-from kvcore.tree.resume import ResumableInsert, ResumePoint
+from kvcore.tree.resume import ResumableInsert, ResumePoint, grow_slots
 from kvcore.tree.values import alloc_value, checked_value, join_values, path_values, proven_prefix_len
 
 __all__ = [
@@ -156,6 +156,7 @@ __all__ = [
     "child_key",
     "descend",
     "edge_match_len",
+    "grow_slots",
     "iter_subtree",
     "join_values",
     "lock_path",

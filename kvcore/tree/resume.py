@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kvcore.pools.req_to_token import ReqToTokenPool
     from kvcore.record import Req, ReqKvInfo
 
-__all__ = ["ResumePoint", "ResumableInsert"]
+__all__ = ["ResumePoint", "ResumableInsert", "grow_slots"]
 
 
 @dataclass(slots=True, eq=False)
@@ -76,7 +76,7 @@ class ResumePoint:
     slots: torch.Tensor
 
 
-def _grown(slots: torch.Tensor, keep: int, need: int) -> torch.Tensor:
+def grow_slots(slots: torch.Tensor, keep: int, need: int) -> torch.Tensor:
     """``slots`` when it holds ``need`` positions, else a buffer twice as large with ``slots[:keep]``."""
     cap = int(slots.shape[0])
     if need <= cap:
@@ -133,18 +133,17 @@ class ResumableInsert:
 
     # -- the shared flow --------------------------------------------------------
 
-    def _resume_insert_row(self, req: Req, chunked: bool) -> tuple[Any, int, int, Any, list[Any], bool] | None:
-        """The precondition, the row's claim and the insert from the locked node; None (nothing changed) when
-        the request's node and protected length are not proven its own.  Returns ``(resume point, protected,
-        prefix_len, last node, the locked path, whether the insert freed the duplicates)``."""
+    def resume_path(self, req: Req) -> list[Any] | None:
+        """The locked path ``req``'s next insert may start below (root side first, root excluded), or None
+        when that is not proven: no resume point of this cache, the request's node or protected length
+        moved, another namespace, the cache disabled, fewer ids than committed.  Changes nothing."""
         kv = req.kv
         rp = kv.resume
         node = req.last_node
         if rp is None or rp.cache is not self or rp.node is not node or self.disable:
             return None
         base = kv.cache_protected_len
-        committed = kv.kv_committed_len
-        if rp.length != base or base <= 0 or node.extra_key != req.extra_key or req.seqlen < committed:
+        if rp.length != base or base <= 0 or node.extra_key != req.extra_key or req.seqlen < kv.kv_committed_len:
             return None
         root = self.root_node
         upper: list[Any] = []
@@ -159,6 +158,19 @@ class ResumableInsert:
         if depth != base:
             return None
         upper.reverse()
+        return upper
+
+    def _resume_insert_row(self, req: Req, chunked: bool) -> tuple[Any, int, int, Any, list[Any], bool] | None:
+        """The precondition, the row's claim and the insert from the locked node; None (nothing changed) when
+        the request's node and protected length are not proven its own.  Returns ``(resume point, protected,
+        prefix_len, last node, the locked path, whether the insert freed the duplicates)``."""
+        upper = self.resume_path(req)
+        if upper is None:
+            return None
+        kv = req.kv
+        rp = kv.resume
+        base = kv.cache_protected_len
+        committed = kv.kv_committed_len
         aligned = floor_align(committed, self.page_size)
         ids = req.fill_slice(base, aligned)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
@@ -194,7 +206,7 @@ class ResumableInsert:
             below.append(x)
             x = x.parent
         below.reverse()
-        slots = _grown(rp.slots, base, aligned)
+        slots = grow_slots(rp.slots, base, aligned)
         pos = base
         for x in below:
             end = pos + len(x.key)

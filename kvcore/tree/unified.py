@@ -25,6 +25,7 @@ Nodes, splits, path walks, LRU lists and KV events come from :mod:`kvcore.tree`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
@@ -45,6 +46,7 @@ from kvcore.tree import (
     KVEventLog,
     Node,
     ResumableInsert,
+    ResumePoint,
     alloc_value,
     check_evict_count,
     check_locked,
@@ -52,6 +54,7 @@ from kvcore.tree import (
     child_key,
     descend,
     edge_match_len,
+    grow_slots,
     iter_subtree,
     join_values,
     path_to_root,
@@ -672,7 +675,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         return InsertResult(prefix_len, node)
 
     def _insert(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor,
-                ins: InsertArgs, rk: RadixKey | None = None) -> tuple[int, UnifiedNode]:
+                ins: InsertArgs, rk: RadixKey | None = None,
+                resumed: tuple[list[UnifiedNode], torch.Tensor] | None = None) -> tuple[int, UnifiedNode]:
+        """Insert ``ids[:n]`` -> ``value`` (SGLang's insert walk with every component's part).
+
+        ``resumed``: a running request's ``(locked path, row)``; ``ids``, ``n`` and ``value`` then start
+        where that path ends (``base`` tokens from the root): the walk passes the path's nodes as it
+        would (:meth:`_pass_locked`) without comparing their tokens.  Returns the cached length from the
+        root and the node the key ends on.
+        """
         aux = self.aux
         if not aux:
             return self._insert_full(ids, extra_key, n, value, ins, rk)
@@ -682,12 +693,16 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             root.priority = ins.priority
         dups: list[tuple[torch.Tensor, int]] = []
         self.insert_dups = dups
+        base = 0
+        node = root
         try:
-            pos, node = self._insert_walk(ids, extra_key, n, value, ins, root, dups)
+            if resumed is not None:
+                base, node = self._pass_locked(resumed[0], resumed[1], ins)
+            pos, node = self._insert_walk(ids, extra_key, n, value, ins, node, dups, base)
             self.flush_duplicates()
         finally:
             self.insert_dups = None
-        ins.prefix_len = pos
+        ins.prefix_len = base + pos
         new_leaf = pos < n
         if new_leaf:
             node = self.add_leaf(node, ids[pos:n], extra_key, value[pos:n], ins.priority, claimed=ins.claimed)
@@ -696,17 +711,45 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         if node is not root:
             for c in aux:
                 c.after_insert(node)
+        return base + pos, node
+
+    def _pass_locked(self, upper: list[UnifiedNode], row: torch.Tensor, ins: InsertArgs) -> tuple[int, UnifiedNode]:
+        """The insert walk over a running request's locked path, as :meth:`_insert_walk` passes it.
+
+        Every node lies below ``ins.prev_prefix_len`` (the request's protected length), so the
+        walk finds no duplicates there; each node is touched, its priority and hits raised and
+        each component told of the overlap, with the row's slots (which are the node's).
+        """
+        aux = self.aux
+        hit = 0 if ins.chunked else 1
+        prio = ins.priority
+        pos = 0
+        node = self.root_node
+        for node in upper:
+            node.last_access_time = self.tick()
+            for c in aux:
+                c.touch(node)
+            plen = len(node.key)
+            if prio > node.priority:
+                node.priority = prio
+            value_slice = row[pos : pos + plen]
+            for c in aux:
+                c.on_insert_overlap(node, plen, pos, value_slice, ins)
+            node.hit_count += hit
+            pos += plen
         return pos, node
 
     def _insert_walk(self, ids: list[int], extra_key: str | None, n: int, value: torch.Tensor, ins: InsertArgs,
-                     node: UnifiedNode, dups: list[tuple[torch.Tensor, int]]) -> tuple[int, UnifiedNode]:
-        """The general insert's walk down the cached part; the caller's duplicates go to ``dups``."""
+                     node: UnifiedNode, dups: list[tuple[torch.Tensor, int]], base: int = 0
+                     ) -> tuple[int, UnifiedNode]:
+        """The general insert's walk down the cached part from ``node`` (``base`` tokens from the root, where
+        ``ids[0]`` sits); the caller's duplicates go to ``dups`` with their row positions."""
         aux = self.aux
         ps = self.page_size
         pos = 0
-        prev = ins.prev_prefix_len
+        prev = ins.prev_prefix_len - base
         while pos < n:
-            child = node.children.get(child_key(ids, pos, ps, extra_key if pos == 0 else None))
+            child = node.children.get(child_key(ids, pos, ps, extra_key if pos + base == 0 else None))
             if child is None:
                 break
             child.last_access_time = self.tick()
@@ -720,12 +763,12 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             value_slice = value[pos : pos + plen]
             consumed = plen
             for c in aux:
-                got = c.on_insert_overlap(child, plen, pos, value_slice, ins)
+                got = c.on_insert_overlap(child, plen, base + pos, value_slice, ins)
                 if got < consumed:
                     consumed = got
             dup_start = prev - pos if prev > pos else 0
             if dup_start < consumed:
-                dups.append((value_slice[dup_start:consumed], pos + dup_start))
+                dups.append((value_slice[dup_start:consumed], base + pos + dup_start))
             if not ins.chunked:
                 child.hit_count += 1
             node = child
@@ -1249,20 +1292,43 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             req.prefix_indices = row[:committed].to(torch.int64, copy=True)
             return
         self.check_req(req, "cache_unfinished_req")
-        if not self.aux and self.resume_unfinished(req, chunked):
+        if not self.aux:
+            if not self.resume_unfinished(req, chunked):
+                self._unfinished_from_root(req, chunked, row)
             return
-        ids = request_ids(req, committed)
+        upper = self.resume_path(req)
         row_checked = self._check_row_claim(req, committed)
         ins, eff = self._prepare(req, committed, False)
         ins.chunked = chunked
         ins.row_checked = row_checked
         if eff <= 0:
-            req.prefix_indices = row[:committed].to(torch.int64, copy=True)
-            for c in self.aux:
-                c.after_cache_req(req, False, ins, None)
-            return
+            self._left_uncached(req, ins, row)
+        elif upper is not None and floor_align(eff, self.page_size) >= kv.cache_protected_len:
+            self._unfinished_resumed(req, upper, ins, eff, row)
+        else:
+            self._unfinished_from_root(req, chunked, row, ins, eff)
+
+    def _left_uncached(self, req: Req, ins: InsertArgs, row: torch.Tensor) -> None:
+        """A component cut the whole insert (Mamba: no state to cache): the request keeps its row as it is."""
+        req.prefix_indices = row[: req.kv.kv_committed_len].to(torch.int64, copy=True)
+        for c in self.aux:
+            c.after_cache_req(req, False, ins, None)
+
+    def _unfinished_from_root(self, req: Req, chunked: bool, row: torch.Tensor, ins: InsertArgs | None = None,
+                              eff: int = 0) -> None:
+        """SGLang's ``cache_unfinished_req``: the whole prefix inserted from the root and matched again."""
+        kv = req.kv
+        committed = kv.kv_committed_len
+        if ins is None:
+            row_checked = self._check_row_claim(req, committed)
+            ins, eff = self._prepare(req, committed, False)
+            ins.chunked = chunked
+            ins.row_checked = row_checked
+            if eff <= 0:
+                self._left_uncached(req, ins, row)
+                return
+        ids = request_ids(req, committed)
         aligned = floor_align(eff, self.page_size)
-        protected = kv.cache_protected_len
         values = row[:aligned].to(torch.int64, copy=True)
         key = RadixKey(ids[:aligned], req.extra_key)
         prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins) if aligned else (0, None)
@@ -1278,21 +1344,83 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             new = path_values(last, self.root_node, self._empty)
             new_len = aligned
             new_node = last
+        self._move_request(req, new, new_len, new_node, row)
+        for c in self.aux:
+            c.after_cache_req(req, False, ins, InsertResult(prefix_len, last))
+
+    def _move_request(self, req: Req, new: torch.Tensor, new_len: int, new_node: UnifiedNode,
+                      row: torch.Tensor, resumed: bool = False) -> None:
+        """After a running request's insert: its row takes the tree's slots, its lock moves to ``new_node``
+        (``new``: the tree's slots of ``[0, new_len)``), and the next chunk may resume from there
+        (``resumed``: ``new`` is the resume point's own buffer, kept as it is)."""
+        kv = req.kv
+        protected = kv.cache_protected_len
+        committed = kv.kv_committed_len
         if new_len < protected:
             raise AssertionError(f"request {req.rid!r}: re-match found {new_len} < protected {protected}")
         if new_len > protected:
-            row[protected:new_len] = new[protected:].to(row.dtype)
+            row[protected:new_len] = new[protected:new_len].to(row.dtype)
         self.release_req_lock(req)
         lock = self.inc_lock_ref(new_node)
         if new_len < committed:
-            req.prefix_indices = torch.cat([new, row[new_len:committed].to(torch.int64)])
+            req.prefix_indices = torch.cat([new[:new_len], row[new_len:committed].to(torch.int64)])
         else:
-            req.prefix_indices = new
+            req.prefix_indices = new[:new_len]
         kv.cache_protected_len = new_len
         req.last_node = new_node
         req.lock = lock
-        if not self.aux:
-            self.note_resume_point(req, new)
+        if resumed:
+            kv.resume = ResumePoint(self, new_node, new_len, new)
+        else:
+            self.note_resume_point(req, new[:new_len])
+
+    def _unfinished_resumed(self, req: Req, upper: list[UnifiedNode], ins: InsertArgs, eff: int,
+                            row: torch.Tensor) -> None:
+        """``cache_unfinished_req`` of a component set from the request's locked node (``upper``: its path).
+
+        The same calls, in the same order, with the same arguments as :meth:`_unfinished_from_root`
+        (every component's part included), less what only repeats the prefix: the insert passes
+        the locked path's nodes without comparing their tokens (:meth:`_pass_locked`), and the
+        re-match of the inserted key, which ends on the inserted node, runs the components'
+        validators over the path's nodes instead of walking its tokens again; its slots come from
+        the resume point's buffer.  A chunk costs its own length plus the path's depth.
+        """
+        kv = req.kv
+        rp = kv.resume
+        assert rp is not None
+        base = kv.cache_protected_len
+        aligned = floor_align(eff, self.page_size)
+        ids = req.fill_slice(base, aligned)
+        values = row[base:aligned].to(torch.int64, copy=True)
+        prefix_len, last = self._insert(ids, req.extra_key, aligned - base, values, ins, resumed=(upper, row))
+        # The path from the root to the inserted node: the locked path, then what the insert hung below it.
+        below: list[UnifiedNode] = []
+        x = last
+        top = upper[-1]
+        while x is not top:
+            below.append(x)
+            x = x.parent
+        below.reverse()
+        slots = grow_slots(rp.slots, base, aligned)
+        pos = base
+        for x in below:
+            end = pos + len(x.key)
+            slots[pos:end] = x.value
+            pos = end
+        # The re-match (match_prefix of the inserted key): the deepest node every component accepts.
+        validators = [c.validator() for c in self.aux]
+        best, best_len, pos = self.root_node, 0, 0
+        for x in itertools.chain(upper, below):
+            pos += len(x.key)
+            if all([v(x) for v in validators]):
+                best, best_len = x, pos
+        for c in self.aux:
+            c.after_match(best)
+        self._stamp_path(best)
+        self._finish_match(MatchResult(slots[:best_len], best, best, best_len, {"matched_len": aligned}),
+                           False, req)
+        # A window-limited re-match takes the inserted path, as _unfinished_from_root does.
+        self._move_request(req, slots, aligned, last, row, resumed=True)
         for c in self.aux:
             c.after_cache_req(req, False, ins, InsertResult(prefix_len, last))
 
