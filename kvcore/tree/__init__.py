@@ -131,7 +131,7 @@ from kvcore.tree.node import (
     unlock_path,
 )
 from kvcore.tree.policies import BUILTIN_POLICIES, EvictionStrategy, resolve_policy
-from kvcore.tree.resume import ResumableInsert, ResumePoint, grow_slots
+from kvcore.tree.resume import ResumableInsert, ResumePoint, grow_slots, path_below
 from kvcore.tree.values import alloc_value, checked_value, join_values, path_values, proven_prefix_len
 
 __all__ = [
@@ -162,6 +162,7 @@ __all__ = [
     "lock_path",
     "next_node_id",
     "page_hash",
+    "path_below",
     "path_to_root",
     "path_values",
     "proven_prefix_len",

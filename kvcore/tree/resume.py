@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kvcore.pools.req_to_token import ReqToTokenPool
     from kvcore.record import Req, ReqKvInfo
 
-__all__ = ["ResumePoint", "ResumableInsert", "grow_slots"]
+__all__ = ["ResumePoint", "ResumableInsert", "grow_slots", "path_below"]
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +84,25 @@ def grow_slots(slots: torch.Tensor, keep: int, need: int) -> torch.Tensor:
     out = torch.empty((max(need, 2 * cap),), dtype=torch.int64, device=slots.device)
     out[:keep] = slots[:keep]
     return out
+
+
+def path_below(rp: ResumePoint, top: Any, last: Any, end: int) -> tuple[list[Any], torch.Tensor]:
+    """The nodes a resumed insert hung below ``top`` (the locked node, ``rp.length`` tokens deep) down to
+    ``last`` (``end`` tokens deep), root side first, and the resume point's slot buffer (grown when
+    needed) with their slots written after ``rp.length``: the tree's slots of ``[0, end)``."""
+    below: list[Any] = []
+    x = last
+    while x is not top:
+        below.append(x)
+        x = x.parent
+    below.reverse()
+    slots = grow_slots(rp.slots, rp.length, end)
+    pos = rp.length
+    for x in below:
+        nxt = pos + len(x.key)
+        slots[pos:nxt] = x.value
+        pos = nxt
+    return below, slots
 
 
 class ResumableInsert:
@@ -200,18 +219,7 @@ class ResumableInsert:
         aligned = floor_align(committed, self.page_size)
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         self.resume_stamp(last)
-        below: list[Any] = []
-        x = last
-        while x is not node:
-            below.append(x)
-            x = x.parent
-        below.reverse()
-        slots = grow_slots(rp.slots, base, aligned)
-        pos = base
-        for x in below:
-            end = pos + len(x.key)
-            slots[pos:end] = x.value
-            pos = end
+        below, slots = path_below(rp, node, last, aligned)
         if prefix_len > base:
             # The tree's slots where the request held duplicates (SGLang's row write; the rest is the row's own).
             row[base:prefix_len] = slots[base:prefix_len]

@@ -54,9 +54,9 @@ from kvcore.tree import (
     child_key,
     descend,
     edge_match_len,
-    grow_slots,
     iter_subtree,
     join_values,
+    path_below,
     path_to_root,
     path_values,
     proven_prefix_len,
@@ -1297,16 +1297,23 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
                 self._unfinished_from_root(req, chunked, row)
             return
         upper = self.resume_path(req)
-        row_checked = self._check_row_claim(req, committed)
-        ins, eff = self._prepare(req, committed, False)
-        ins.chunked = chunked
-        ins.row_checked = row_checked
+        ins, eff = self._prepare_unfinished(req, chunked)
         if eff <= 0:
             self._left_uncached(req, ins, row)
         elif upper is not None and floor_align(eff, self.page_size) >= kv.cache_protected_len:
             self._unfinished_resumed(req, upper, ins, eff, row)
         else:
             self._unfinished_from_root(req, chunked, row, ins, eff)
+
+    def _prepare_unfinished(self, req: Req, chunked: bool) -> tuple[InsertArgs, int]:
+        """The row's claim (strict), then each component's part of a running request's insert; returns the
+        insert's arguments and the length the components cut it to."""
+        committed = req.kv.kv_committed_len
+        row_checked = self._check_row_claim(req, committed)
+        ins, eff = self._prepare(req, committed, False)
+        ins.chunked = chunked
+        ins.row_checked = row_checked
+        return ins, eff
 
     def _left_uncached(self, req: Req, ins: InsertArgs, row: torch.Tensor) -> None:
         """A component cut the whole insert (Mamba: no state to cache): the request keeps its row as it is."""
@@ -1320,10 +1327,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         kv = req.kv
         committed = kv.kv_committed_len
         if ins is None:
-            row_checked = self._check_row_claim(req, committed)
-            ins, eff = self._prepare(req, committed, False)
-            ins.chunked = chunked
-            ins.row_checked = row_checked
+            ins, eff = self._prepare_unfinished(req, chunked)
             if eff <= 0:
                 self._left_uncached(req, ins, row)
                 return
@@ -1394,19 +1398,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         values = row[base:aligned].to(torch.int64, copy=True)
         prefix_len, last = self._insert(ids, req.extra_key, aligned - base, values, ins, resumed=(upper, row))
         # The path from the root to the inserted node: the locked path, then what the insert hung below it.
-        below: list[UnifiedNode] = []
-        x = last
-        top = upper[-1]
-        while x is not top:
-            below.append(x)
-            x = x.parent
-        below.reverse()
-        slots = grow_slots(rp.slots, base, aligned)
-        pos = base
-        for x in below:
-            end = pos + len(x.key)
-            slots[pos:end] = x.value
-            pos = end
+        below, slots = path_below(rp, upper[-1], last, aligned)
         # The re-match (match_prefix of the inserted key): the deepest node every component accepts.
         validators = [c.validator() for c in self.aux]
         best, best_len, pos = self.root_node, 0, 0
