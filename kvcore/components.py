@@ -56,6 +56,12 @@ the index into ``value_slice`` from which the component took the caller's slots
 ``on_insert_commit(node, is_new_leaf, ins)`` stores the component's value on the
 insert's last node (SWA: its in-window part; Mamba: the request's state).
 
+**Resumed inserts.**  A running request's next chunk is inserted from its locked node
+(:mod:`kvcore.tree.resume`) with the same hook calls as a walk from the root: the
+locked path's nodes (all below ``ins.prev_prefix_len``) still get ``touch`` and
+``on_insert_overlap``, with ``value_slice`` a view of the request's row (the node's own
+slots there), and the re-match runs ``validator()`` over the path's nodes from the root.
+
 **Eviction order.**  Each component has an eviction *priority* on an internal node
 (``internal_priority``: Full 2, SWA 1, Mamba 0); on a leaf every priority is 0.
 ``evict(target, tracker)`` runs the component's own eviction walk until

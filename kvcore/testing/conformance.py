@@ -28,8 +28,11 @@ from kvcore.testing.profiles import state_machine_settings
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache, InsertResult
+    from kvcore.record import Req
 
-__all__ = ["PrefixCacheConformance", "CacheStateMachine", "snapshot", "backend_page_sizes"]
+__all__ = [
+    "PrefixCacheConformance", "CacheStateMachine", "snapshot", "backend_page_sizes", "insert_owned", "random_tokens",
+]
 
 
 def snapshot(cache: BasePrefixCache) -> tuple:
@@ -60,11 +63,12 @@ def backend_page_sizes(backend: str) -> tuple[int, ...]:
     return (1, 16) if default == 1 else (default,)
 
 
-def _toks(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
+def random_tokens(rng: random.Random, n: int, vocab: int = 50) -> list[int]:
+    """``n`` token ids drawn from ``rng`` below ``vocab``."""
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _insert_owned(cache: BasePrefixCache, key: RadixKey, reuse: bool | None) -> InsertResult | None:
+def insert_owned(cache: BasePrefixCache, key: RadixKey, reuse: bool | None) -> InsertResult | None:
     """Insert ``key`` with fresh slots and free what the cache did not keep; returns the InsertResult."""
     page = cache.page_size
     n = len(key)
@@ -206,10 +210,10 @@ class PrefixCacheConformance:
     def test_insert_returns_prefix_len(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 3 * page_size + 1))
-        first = _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        first = insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
         assert first is not None and first.prefix_len == 0
         check_invariants(cache)
-        second = _insert_owned(cache, RadixKey(key + [99] * page_size), self.supports_prefix_reuse)
+        second = insert_owned(cache, RadixKey(key + [99] * page_size), self.supports_prefix_reuse)
         assert second is not None
         check_invariants(cache)
         m = cache.match_prefix(key + [5])
@@ -225,7 +229,7 @@ class PrefixCacheConformance:
     def test_match_is_page_aligned(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
-        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
         for probe_len in range(0, 2 * page_size + 2):
             probe = key[:probe_len] + [1000]
             got = cache.match_prefix(probe).device_indices.numel()
@@ -242,7 +246,7 @@ class PrefixCacheConformance:
         cache = build()
         total = pool_total(cache)
         rng = random.Random(1)
-        req = make_req("a", _toks(rng, 3 * page_size + 3))
+        req = make_req("a", random_tokens(rng, 3 * page_size + 3))
         assert run_request(cache, req, decode_tokens=2)
         check_invariants(cache)
         alloc = cache.token_to_kv_pool_allocator
@@ -262,7 +266,7 @@ class PrefixCacheConformance:
     def test_lock_and_unlock(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
-        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
         m = cache.match_prefix(key)
         before = (cache.evictable_size(), cache.protected_size())
         lock = cache.inc_lock_ref(m.last_device_node)
@@ -283,8 +287,8 @@ class PrefixCacheConformance:
         total = pool_total(cache)
         a = [1] * page_size + list(range(2, 2 + 2 * page_size))
         b = [2] * page_size + list(range(100, 100 + 2 * page_size))
-        _insert_owned(cache, RadixKey(a), self.supports_prefix_reuse)
-        _insert_owned(cache, RadixKey(b), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(a), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(b), self.supports_prefix_reuse)
         ma = cache.match_prefix(a)
         lock = cache.inc_lock_ref(ma.last_device_node)
         protected = cache.protected_size()
@@ -313,7 +317,7 @@ class PrefixCacheConformance:
             pytest.skip("no tree: nothing is ever evicted")
         total = pool_total(cache)
         key = [3] * page_size + list(range(200, 200 + 2 * page_size))
-        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
         node = cache.match_prefix(key).last_device_node
         assert node is not None and node is not cache.root_node
         cache.evict(10**6)
@@ -337,13 +341,13 @@ class PrefixCacheConformance:
     def test_extra_key_isolation(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
-        _insert_owned(cache, RadixKey(key, "tenant-a"), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(key, "tenant-a"), self.supports_prefix_reuse)
         assert cache.match_prefix(RadixKey(key, "tenant-b")).device_indices.numel() == 0
         assert cache.match_prefix(key).device_indices.numel() == 0
         hit = cache.match_prefix(RadixKey(key, "tenant-a")).device_indices.numel()
         assert hit == (len(key) if self.supports_prefix_reuse else 0)
         # Same tokens under another namespace are a fresh insert.
-        res = _insert_owned(cache, RadixKey(key, "tenant-b"), self.supports_prefix_reuse)
+        res = insert_owned(cache, RadixKey(key, "tenant-b"), self.supports_prefix_reuse)
         assert res is not None and res.prefix_len == 0
         check_invariants(cache)
         # Requests carry their namespace too.
@@ -357,7 +361,7 @@ class PrefixCacheConformance:
     def test_bad_input_leaves_state_unchanged(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         key = list(range(1, 2 * page_size + 1))
-        _insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
+        insert_owned(cache, RadixKey(key), self.supports_prefix_reuse)
         before = snapshot(cache)
         bad_keys_type: list[Any] = ["abc", 3, None, {1: 2}, [1, 2.5], key[:page_size] + ["x"]]
         for bad in bad_keys_type:
@@ -384,7 +388,7 @@ class PrefixCacheConformance:
     def test_chunked_prefill_then_finish(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         rng = random.Random(7)
-        prompt = _toks(rng, 5 * page_size + 3)
+        prompt = random_tokens(rng, 5 * page_size + 3)
         req = make_req("chunked", prompt)
         assert admit(cache, req)
         check_invariants(cache, [req])
@@ -412,16 +416,20 @@ class PrefixCacheConformance:
     def test_two_requests_share_a_prefix(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
         rng = random.Random(3)
-        system = _toks(rng, 2 * page_size)
-        a = make_req("a", system + _toks(rng, page_size + 1))
+        system = random_tokens(rng, 2 * page_size)
+        a = make_req("a", system + random_tokens(rng, page_size + 1))
         assert run_request(cache, a)
-        b = make_req("b", system + _toks(rng, page_size + 2))
-        c = make_req("c", system + _toks(rng, 3))
+        b = make_req("b", system + random_tokens(rng, page_size + 2))
+        c = make_req("c", system + random_tokens(rng, 3))
         assert admit(cache, b) and admit(cache, c)
         if self.supports_prefix_reuse:
             assert b.kv.cache_protected_len >= len(system)
             assert c.kv.cache_protected_len >= len(system)
             assert cache.protected_size() >= len(system)
+        self.run_two_sharers(cache, b, c)
+
+    def run_two_sharers(self, cache: BasePrefixCache, b: Req, c: Req) -> None:
+        """Two admitted requests on one cached prefix: prefill both, decode one, finish both; nothing stays locked."""
         check_invariants(cache, [b, c])
         assert prefill(cache, b) and prefill(cache, c)
         decode(cache, b, 2)
@@ -447,8 +455,8 @@ class PrefixCacheConformance:
         total = pool_total(cache)
         rows = cache.req_to_token_pool.num_rows
         rng = random.Random(11)
-        base = _toks(rng, 2 * page_size)
-        reqs = [make_req(f"r{i}", base + _toks(rng, rng.randrange(1, 3 * page_size))) for i in range(6)]
+        base = random_tokens(rng, 2 * page_size)
+        reqs = [make_req(f"r{i}", base + random_tokens(rng, rng.randrange(1, 3 * page_size))) for i in range(6)]
         for r in reqs:
             assert admit(cache, r)
         for r in reqs:
@@ -473,13 +481,13 @@ class PrefixCacheConformance:
         cache = StreamingSession(build())
         total = pool_total(cache)
         rng = random.Random(5)
-        turn1 = make_req("t1", _toks(rng, 2 * page_size + 3), session_id="s")
+        turn1 = make_req("t1", random_tokens(rng, 2 * page_size + 3), session_id="s")
         assert admit(cache, turn1) and prefill(cache, turn1)
         decode(cache, turn1, 2)
         finish(cache, turn1)
         check_invariants(cache)
         assert len(cache.session_slots()) == 1
-        turn2 = make_req("t2", turn1.fill_ids + _toks(rng, page_size), session_id="s")
+        turn2 = make_req("t2", turn1.fill_ids + random_tokens(rng, page_size), session_id="s")
         assert admit(cache, turn2)
         reused = len(turn1.fill_ids)
         if cache.inner.session_page_aligned:
@@ -564,7 +572,7 @@ class CacheStateMachine(RuleBasedStateMachine):
     @rule(stem=st.integers(0, 2), tail=tails, extra=st.sampled_from([None, "x"]))
     def insert(self, stem: int, tail: list[int], extra: str | None) -> None:
         key = RadixKey(self._key(stem, tail, extra), extra)
-        res = _insert_owned(self.cache, key, self.reuse)
+        res = insert_owned(self.cache, key, self.reuse)
         if res is not None:
             assert res.prefix_len % self.page == 0
             assert res.prefix_len <= len(key)
