@@ -1258,16 +1258,26 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self.check_req(req, "cache_finished_req")
         if is_insert and not self.aux and self.resume_finished(req):
             return  # inserted from the request's locked node (kvcore.tree.resume), the lock given back
-        ids = request_ids(req, committed)
         ins = None
         result = None
         if is_insert:
+            upper = self.resume_path(req) if self.aux else None
+            # (Refused before any component acts when the request holds fewer ids than it committed.)
+            ids = request_ids(req, committed) if upper is None else None
             row_checked = self._check_row_claim(req, committed)
             ins, eff = self._prepare(req, committed, True)
             ins.row_checked = row_checked
             aligned = floor_align(min(eff, committed), self.page_size)
-            values = self.row(kv)[:aligned].to(torch.int64, copy=True)
-            if aligned > 0:
+            row = self.row(kv)
+            if upper is not None and aligned >= protected:
+                # From the request's locked node, as cache_unfinished_req resumes (the same hook calls).
+                values = row[protected:aligned].to(torch.int64, copy=True)
+                prefix_len, last = self._insert(req.fill_slice(protected, aligned), req.extra_key,
+                                                aligned - protected, values, ins, resumed=(upper, row))
+                result = InsertResult(prefix_len, last, duplicates_freed=True)
+            elif aligned > 0:
+                values = row[:aligned].to(torch.int64, copy=True)
+                ids = request_ids(req, committed) if ids is None else ids
                 prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins)
                 result = InsertResult(prefix_len, last, duplicates_freed=True)
             # The unaligned tail, and what a component cut off the insert (SGLang frees both).
