@@ -1,56 +1,38 @@
-"""The ``kvcore`` command: data on stdout, diagnostics on stderr, ``--json`` for machines.
+"""The ``kvcore`` console script (``python -m kvcore``): the command line of :mod:`kvcore.commands.app`.
 
-A thin assembly: each subcommand lives in its own module and is registered here with one
-line; :mod:`kvcore.commands.errors` decides how an error ends the command (exit codes).
+The command line's own dependencies (typer, rich) come with ``pip install 'kvcore[cli]'``:
+the library an engine imports needs neither, so a server does not carry them.  Without
+them the script says so in one line on stderr and exits 2.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-import typer
+__all__ = ["main"]
 
-from kvcore.bench.cli import bench
-
-try:  # the parser's usage errors: typer >= 0.2x vendors click and raises its own
-    from typer import TyperException as ParseError
-except ImportError:  # pragma: no cover - older typer raises click's
-    from click import ClickException as ParseError  # type: ignore[import-not-found,no-redef,assignment,unused-ignore]
-from kvcore.commands.backends import backends
-from kvcore.commands.fuzz import fuzz
-
-app = typer.Typer(
-    name="kvcore",
-    help="KV-cache bookkeeping for LLM serving: list backends, benchmark them.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-app.command("backends")(backends)
-app.command("bench")(bench)
-app.command("fuzz")(fuzz)
-app.command("mrc")(__import__("kvcore.mrc.cli", fromlist=["mrc"]).mrc)
+#: What ``kvcore[cli]`` adds (and click, which typer brings).
+CLI_DEPENDENCIES = ("typer", "rich", "click")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI: a user's error is one line on stderr, a bug its traceback (exit codes: kvcore.commands.errors)."""
-    from kvcore.commands.errors import EXIT_USAGE, report_exception
-
+    """Run the ``kvcore`` command line (exit codes: :mod:`kvcore.commands.errors`)."""
     try:
-        # Outside standalone mode a command's typer.Exit comes back as the return value.
-        status = app(args=argv, prog_name="kvcore", standalone_mode=False)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        typer.echo("kvcore: aborted", err=True)
-        sys.exit(130)
-    except ParseError as exc:
-        # Click's usage errors (a value typer could not parse, an unknown option): its message, exit status 2.
-        typer.echo(f"kvcore: error: {exc.format_message()}", err=True)
-        sys.exit(EXIT_USAGE if exc.exit_code == 2 else exc.exit_code)
-    except Exception as exc:
-        sys.exit(report_exception(exc))
-    if isinstance(status, int) and status:
-        sys.exit(status)
+        from kvcore.commands.app import run
+    except ModuleNotFoundError as exc:
+        if exc.name not in CLI_DEPENDENCIES:
+            raise
+        print(f"kvcore: error: the command line needs {exc.name!r}, which kvcore[cli] installs: "
+              "pip install 'kvcore[cli]'", file=sys.stderr)
+        sys.exit(2)
+    run(argv)
 
+
+def __getattr__(name: str) -> Any:
+    # ``kvcore.cli.app``: the typer app, for callers that drive it (typer's CliRunner), built on first use.
+    if name == "app":
+        from kvcore.commands.app import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

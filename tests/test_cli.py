@@ -358,3 +358,39 @@ def test_the_help_of_every_command_is_clean(capsys):
     for command in ("backends", "bench", "fuzz"):
         code, out, err = _main(capsys, command, "--help")
         assert code == 0 and "Usage" in out and err == ""
+
+
+_WITHOUT_CLI_DEPS = """
+import sys
+class _Absent:
+    # As on a server that installed kvcore without the [cli] extra: typer, rich and click are not there.
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("typer", "rich", "click"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def test_the_library_imports_and_runs_without_the_cli_dependencies() -> None:
+    code = _WITHOUT_CLI_DEPS + (
+        "import kvcore\n"
+        "from kvcore.testing import make_req\n"
+        "cache = kvcore.create_cache('swa', size=256, sliding_window_size=16, max_num_reqs=2, max_context_len=64)\n"
+        "eng = kvcore.Engine(cache)\n"
+        "r = make_req('r', list(range(2, 40)))\n"
+        "assert eng.admit(r) and eng.extend(r, 16) and eng.extend(r)\n"
+        "eng.finish(r)\n"
+        "kvcore.InvariantChecker(cache).check([])\n"
+        "assert not {m.split('.')[0] for m in sys.modules} & {'typer', 'rich', 'click'}\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_the_command_line_without_its_dependencies_says_what_to_install() -> None:
+    code = _WITHOUT_CLI_DEPS + "from kvcore.cli import main\nmain(['backends'])\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == EXIT_USAGE and res.stdout == ""
+    assert "pip install 'kvcore[cli]'" in _one_line(res.stderr)

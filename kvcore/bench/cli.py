@@ -1,4 +1,4 @@
-"""The ``kvcore bench`` command (registered by kvcore.cli): options in, reports out; heavy imports happen inside.
+"""The ``kvcore bench`` command (registered by kvcore.commands.app): options in, reports out; heavy imports inside.
 
 The options are checked by :class:`kvcore.bench.options.BenchOptions` and resolved by
 :func:`kvcore.bench.plan.plan_bench` before anything runs; errors there are usage errors

@@ -1,4 +1,4 @@
-"""The ``kvcore mrc`` command (registered by kvcore.cli): data on stdout, diagnostics on stderr."""
+"""The ``kvcore mrc`` command (registered by kvcore.commands.app): data on stdout, diagnostics on stderr."""
 
 from __future__ import annotations
 
