@@ -369,7 +369,7 @@ class BasePrefixCache(ABC):
     # -- per-request state beside the token slots (retraction backups, session accounting) --
 
     def backup_request_state(self, req: Req) -> Any:
-        """A host copy of the state ``req`` holds beside its token slots, for ``Req.offload_kv_cache``.
+        """A host copy of the state ``req`` holds beside its token slots, for ``kvcore.retraction.offload_kv_cache``.
 
         None (the default) when the cache keeps no such state; a recurrent-state
         backend (mamba) overrides this and ``restore_request_state``.
@@ -377,7 +377,8 @@ class BasePrefixCache(ABC):
         return None
 
     def restore_request_state(self, req: Req, state: Any) -> None:
-        """Write a ``backup_request_state`` copy into the state ``req`` holds now (``Req.load_kv_cache``)."""
+        """Write a ``backup_request_state`` copy into the state ``req`` holds now
+        (``kvcore.retraction.load_kv_cache``)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no per-request state to restore")
 
     def request_state_slots(self, kv: ReqKvInfo) -> int:

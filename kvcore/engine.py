@@ -86,8 +86,8 @@ Two more ways out:
   re-admitting it here (``admit`` matches ``fill_ids``, ``extend`` prefills the
   rest of prompt + outputs, then it decodes on).  ``mode="offload"`` first copies the K/V of
   ``[0, seqlen - 1)`` and the cache's per-request state to the host
-  (``Req.offload_kv_cache`` into ``kv.retraction_backup``); ``resume(req)`` later
-  takes a row and slots again and loads it back (``Req.load_kv_cache``), so the
+  (``kvcore.retraction.offload_kv_cache`` into ``kv.retraction_backup``); ``resume(req)`` later
+  takes a row and slots again and loads it back (``kvcore.retraction.load_kv_cache``), so the
   request decodes on without recomputing its prefix.
 
 **Disaggregated decode.**  A request that arrives with its KV computed by a
@@ -153,6 +153,7 @@ import torch
 from kvcore.keys import RadixKey, check_token_ids, checked_key
 from kvcore.record import Req, ReqKvInfo, RetractionBackup, ceil_align
 from kvcore.release import cache_unfinished_req, release_kv_cache
+from kvcore.retraction import load_kv_cache, offload_kv_cache
 from kvcore.session import StreamingSession
 
 if TYPE_CHECKING:
@@ -630,7 +631,7 @@ class Engine:
         its prefix (what the tree still holds is matched).  ``mode="offload"``
         (SGLang's decode-side retraction): first a host copy of the K/V of
         ``[0, seqlen - 1)`` and of the cache's per-request state
-        (``Req.offload_kv_cache``) goes to ``req.kv.retraction_backup``, and
+        (``kvcore.retraction.offload_kv_cache``) goes to ``req.kv.retraction_backup``, and
         ``resume`` later puts it back without recomputing.  A request that has
         not computed ``seqlen - 1`` positions yet (a chunked prefill) has nothing
         to resume from and is retracted for recompute.  The record keeps its
@@ -643,7 +644,7 @@ class Engine:
             raise ValueError(f"request {req.rid!r} is not running (it holds no KV): there is nothing to retract")
         backup = None
         if mode == "offload" and kv.is_held and 0 < req.seqlen - 1 <= kv.kv_allocated_len:
-            backup = req.offload_kv_cache(self._r2t, self._alloc, cache=self._cache)
+            backup = offload_kv_cache(req, self._r2t, self._cache)
             self.offloaded_tokens += backup.num_tokens
             self.offloaded_bytes += backup.nbytes
         floor = kv.swa_evict_floor
@@ -681,7 +682,7 @@ class Engine:
             self._r2t.free(req)
             return False
         kv.kv_committed_len = n
-        req.load_kv_cache(self._r2t, self._alloc, cache=self._cache)
+        load_kv_cache(req, self._r2t, self._cache)
         self.loaded_bytes += backup.nbytes
         req.is_retracted = False
         if self.cache_prompt:

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kvcore.cache import BasePrefixCache, LockResult
-    from kvcore.pools.req_to_token import ReqToTokenPool
+    from kvcore.cache import LockResult
     from kvcore.tree.resume import ResumePoint
 
 __all__ = ["ReqKvInfo", "Req", "RetractionBackup", "ceil_align", "floor_align"]
@@ -77,7 +76,7 @@ class ReqKvInfo:
     # Backend-specific per-request state (mamba slots, host buffers), keyed by the
     # backend's component name, so a session hand-over moves it with the rest.
     components: dict[str, Any] = field(default_factory=dict)
-    # Host-side KV backup the request holds across a retraction (``Req.offload_kv_cache``).
+    # Host-side KV backup the request holds across a retraction (``kvcore.retraction.offload_kv_cache``).
     retraction_backup: RetractionBackup | None = None
     # Where the next cache_unfinished_req may resume its insert (kvcore.tree.resume.ResumePoint): the
     # tree's slots of [0, cache_protected_len) and the locked node they end on.  A cache's, checked before use.
@@ -240,81 +239,6 @@ class Req:
         kv.resume = None
         kv.components.clear()
         self.is_retracted = True
-
-    def _backup_positions(self, req_to_token_pool: ReqToTokenPool, what: str) -> torch.Tensor:
-        kv = self.kv
-        if not kv.is_held:
-            raise ValueError(f"{what}: request {self.rid!r} holds no req_to_token row")
-        n = self.seqlen - 1
-        if n > kv.kv_allocated_len:
-            raise ValueError(
-                f"{what}: request {self.rid!r} has {kv.kv_allocated_len} positions allocated, needs {n} (seqlen - 1)"
-            )
-        return req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
-
-    def offload_kv_cache(
-        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: object, *,
-        cache: BasePrefixCache | None = None
-    ) -> RetractionBackup:
-        """Copy the K/V of row positions ``[0, seqlen - 1)`` (and the cache's per-request state) to the host.
-
-        The copy goes to ``kv.retraction_backup`` so that ``load_kv_cache`` can put
-        it back after the request was released and re-allocated.  The K/V comes from
-        ``cache.kv_pool`` (None: nothing to copy, the backup keeps only the length);
-        the state from ``cache.backup_request_state(req)`` (a protocol method, so a
-        recurrent-state backend adds its state without the core knowing it).
-        ``token_to_kv_pool_allocator`` is taken for SGLang's signature.
-        """
-        del token_to_kv_pool_allocator  # SGLang reads the K/V buffer through it; kvcore's lives on the cache
-        slots = self._backup_positions(req_to_token_pool, "offload_kv_cache")
-        kv_pool = cache.kv_pool if cache is not None else None
-        cpu = None
-        if kv_pool is not None:
-            # Viewed as (slots, heads, head_dim): the same read for a flat or a paged buffer layout.
-            h, d = kv_pool.head_num, kv_pool.head_dim
-            cpu = []
-            for i in range(kv_pool.layer_num):
-                k, v = kv_pool.get_kv_buffer(i)
-                at = slots.to(k.device)
-                cpu.append((k.view(-1, h, d)[at].to("cpu", copy=True), v.view(-1, h, d)[at].to("cpu", copy=True)))
-        state = cache.backup_request_state(self) if cache is not None else None
-        backup = RetractionBackup(num_tokens=int(slots.numel()), cpu_tensors=cpu, state=state)
-        self.kv.retraction_backup = backup
-        return backup
-
-    def load_kv_cache(
-        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: object, *,
-        cache: BasePrefixCache | None = None
-    ) -> RetractionBackup:
-        """Write ``kv.retraction_backup`` back into the request's (new) row slots and drop it.
-
-        The row must hold ``[0, seqlen - 1)`` again (ValueError, nothing changed,
-        when it does not or when there is no backup).
-        """
-        del token_to_kv_pool_allocator
-        backup = self.kv.retraction_backup
-        if backup is None:
-            raise ValueError(f"load_kv_cache: request {self.rid!r} has no retraction backup")
-        slots = self._backup_positions(req_to_token_pool, "load_kv_cache")
-        if int(slots.numel()) != backup.num_tokens:
-            raise ValueError(
-                f"load_kv_cache: request {self.rid!r} backed up {backup.num_tokens} positions, "
-                f"its row now covers {int(slots.numel())}"
-            )
-        kv_pool = cache.kv_pool if cache is not None else None
-        if backup.state is not None and cache is None:
-            raise ValueError(f"load_kv_cache: request {self.rid!r} backed up state; pass the cache")
-        if backup.cpu_tensors is not None:
-            if kv_pool is None:
-                raise ValueError(f"load_kv_cache: request {self.rid!r} backed up K/V but the cache has no K/V buffer")
-            for i, (k, v) in enumerate(backup.cpu_tensors):
-                dev = kv_pool.get_key_buffer(i).device
-                kv_pool.set_kv_buffer(i, slots.to(dev), k.to(dev), v.to(dev))
-        if backup.state is not None:
-            assert cache is not None
-            cache.restore_request_state(self, backup.state)
-        self.kv.retraction_backup = None
-        return backup
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, seqlen={self.seqlen}, kv={self.kv})"
