@@ -22,6 +22,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache
+    from kvcore.engine_targets import EngineTarget
     from kvcore.record import Req
 
 PROJECT_NAME = "kvcore"
@@ -106,6 +107,20 @@ def kvcore_register_stores(register: Callable[..., None]) -> None:
     ``file``.  A scheme registered by two distributions is refused, naming both.
     Every implementation is called; the return value is ignored.
     """
+
+
+@hookspec
+def kvcore_engine_targets() -> list[EngineTarget]:
+    """The names an engine integration gives kvcore backends, each checked, for ``kvcore backends`` to list.
+
+    The hook returns a list of :class:`kvcore.engine_targets.EngineTarget` (kvcore-sglang: one per
+    ``--radix-cache-backend`` name, its own and those other distributions declare).  A
+    target the engine would refuse at start (a name that differs from its declaration, a
+    builder that is not there, a model kind it cannot serve, a backend not installed)
+    comes with its ``problem`` set, so the listing says why before an engine starts.
+    It must not import the engine.  Every implementation is called; the lists are joined.
+    """
+    return []
 
 
 @hookspec

@@ -103,6 +103,7 @@ FIRST_PARTY: dict[str, str] = {
     "kvcore-unified": "kvcore_unified.plugin",
     "kvcore-hisparse": "kvcore_hisparse.plugin",
     "kvcore-npu": "kvcore_npu.plugin",
+    "kvcore-sglang": "kvcore_sglang.target_checks",
 }
 
 #: Modules that declare a kind; imported before failures are listed, so none is missed.

@@ -15,9 +15,11 @@ __all__ = ["backends"]
 def backends(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
 ) -> None:
-    """List every backend (distribution, version, description, options) and device found (whether it is usable
-    here and why not), and every plugin that failed to load. Exit status 1 when a plugin failed to load."""
+    """List every backend (distribution, version, description, options), device (whether it is usable here and
+    why not) and engine target (the names engines give the backends, checked), and every plugin that failed to
+    load. Exit status 1 when a plugin failed to load or an engine would refuse a target."""
     from kvcore.backend_options import describe_options
+    from kvcore.engine_targets import engine_targets
     from kvcore.plugins import (
         available_backends,
         available_device_specs,
@@ -27,11 +29,14 @@ def backends(
 
     specs = available_backends()
     devices = available_device_specs()
-    failures = plugin_failures()
+    targets, target_failures = engine_targets()
+    failures = plugin_failures() + target_failures
+    refused = [t for t in targets if t.problem is not None]
     if as_json:
         payload = {
             "backends": [dict(s.to_json(), option_specs=describe_options(s.config)) for s in specs.values()],
             "devices": [d.to_json() for d in devices.values()],
+            "targets": [t.to_json() for t in targets],
             "failed": [f.to_json() for f in failures],
             "eviction_policies": available_eviction_policies(),
         }
@@ -54,10 +59,20 @@ def backends(
             here = "available" if why is None else f"not available: {why}"
             about = f" -- {d.description}" if d.description else ""
             typer.echo(f"  {d.name} ({d.distribution} {d.version}): {here}{about}")
+        if targets:
+            typer.echo("engine targets (name -> backend, model kinds):")
+        for t in targets:
+            state = "" if t.problem is None else f" -- refused: {t.problem}"
+            typer.echo(f"  {t.engine} {t.name} -> {t.backend} ({', '.join(t.serves) or '-'}; "
+                       f"declared by {t.declared_by}){state}")
         for f in failures:
             typer.echo(f"failed: {f.plugin} ({f.distribution}): {f.error}")
-    if failures:
-        # CI reads the status: a plugin that did not load is a broken install.
-        typer.echo(f"kvcore: {len(failures)} plugin(s) failed to load: "
-                   f"{', '.join(f.plugin for f in failures)}", err=True)
+    if failures or refused:
+        # CI reads the status: a plugin that did not load, or a target an engine would refuse, is a broken install.
+        what = []
+        if failures:
+            what.append(f"{len(failures)} plugin(s) failed to load: {', '.join(f.plugin for f in failures)}")
+        if refused:
+            what.append(f"{len(refused)} engine target(s) would be refused: {', '.join(t.name for t in refused)}")
+        typer.echo("kvcore: " + "; ".join(what), err=True)
         raise typer.Exit(EXIT_RUNTIME)

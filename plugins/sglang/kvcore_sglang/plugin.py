@@ -19,7 +19,7 @@ from typing import Any
 from kvcore_sglang.config import SUPPORTED_SGLANG, TARGETS, Target
 
 __all__ = ["HICACHE_BACKEND", "TARGET_GROUP", "KvcoreFactory", "contract_module", "declared_targets",
-           "hicache_extra_config", "register_with_sglang"]
+           "hicache_extra_config", "load_declared_target", "register_with_sglang"]
 
 #: Where another distribution declares an SGLang name for its kvcore backend, without kvcore-sglang
 #: knowing it: ``mybackend = "mypkg.sglang:TARGET"`` in this entry-point group registers
@@ -78,6 +78,21 @@ def declared_targets() -> list[tuple[str, EntryPoint]]:
     return found
 
 
+def load_declared_target(name: str, ep: EntryPoint) -> Target:
+    """The :class:`~kvcore_sglang.config.Target` entry point ``ep`` declares for ``name``; RuntimeError naming the
+    entry point when it does not load or is not a Target of that name."""
+    where = f"entry point {ep.name} = {ep.value!r} (group {TARGET_GROUP})"
+    try:
+        loaded = ep.load()
+    except Exception as exc:  # noqa: BLE001 - any import failure of a third party's module
+        raise RuntimeError(f"--radix-cache-backend {name}: {where} does not load: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(loaded, Target) or loaded.name != name:
+        raise RuntimeError(f"--radix-cache-backend {name}: {where} must name a kvcore_sglang.Target "
+                           f"with name={name!r}, got {loaded!r}")
+    return loaded
+
+
 class KvcoreFactory:
     """What SGLang's registry holds for one name: called with a ``TreeCacheBuildContext``.
 
@@ -95,18 +110,8 @@ class KvcoreFactory:
     def resolved_target(self) -> Target:
         """The target, loading a declared one (RuntimeError naming the entry point if it is not one)."""
         if self.target is None:
-            ep = self.entry_point
-            assert ep is not None
-            where = f"entry point {ep.name} = {ep.value!r} (group {TARGET_GROUP})"
-            try:
-                loaded = ep.load()
-            except Exception as exc:  # noqa: BLE001 - any import failure of a third party's module
-                raise RuntimeError(f"--radix-cache-backend {self.name}: {where} does not load: "
-                                   f"{type(exc).__name__}: {exc}") from exc
-            if not isinstance(loaded, Target) or loaded.name != self.name:
-                raise RuntimeError(f"--radix-cache-backend {self.name}: {where} must name a kvcore_sglang.Target "
-                                   f"with name={self.name!r}, got {loaded!r}")
-            self.target = loaded
+            assert self.entry_point is not None
+            self.target = load_declared_target(self.name, self.entry_point)
         return self.target
 
     def __call__(self, ctx: Any) -> Any:
