@@ -103,7 +103,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel
 
 from kvcore.errors import PluginError
-from kvcore.plugins import Kind, Origin, PluginFailure, first_doc_line
+from kvcore.registrar import Kind, Origin, PluginFailure, first_doc_line
 
 if TYPE_CHECKING:
     from kvcore.cache import LockResult, SlotOwner

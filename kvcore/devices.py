@@ -33,7 +33,7 @@ import torch
 
 from kvcore.config import CacheConfig
 from kvcore.errors import DeviceUnavailable, PluginError
-from kvcore.plugins import Kind, Origin
+from kvcore.registrar import Kind, Origin
 
 __all__ = [
     "DEVICES",

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvcore.plugins import PluginFailure, get_plugin_manager, registry
+from kvcore.registrar import PluginFailure, get_plugin_manager, registry
 
 __all__ = ["EngineTarget", "engine_targets"]
 

@@ -104,8 +104,8 @@ def kvcore_register_stores(register: Callable[..., None]) -> None:
     ``StoreConfigError``) for a malformed URL or option and must not fail because
     the store is unreachable (that store answers misses).  ``kvcore.open_store(url)``
     picks the factory by the URL's scheme; the core registers ``memory`` and
-    ``file``.  A scheme registered by two distributions is refused, naming both.
-    Every implementation is called; the return value is ignored.
+    ``file``; schemes follow the registrar's one rule (:mod:`kvcore.plugins`), as
+    every other kind does.  Every implementation is called; the return value is ignored.
     """
 
 

@@ -233,9 +233,7 @@ def test_one_kind_line_is_a_new_kind(site):
         with pytest.raises(LookupError, match=r"unknown thing 'nope'; registered things: .*mine"):
             things.get("nope")
     finally:
-        from kvcore import plugins
-
-        plugins._KINDS.remove(things)
+        things.withdraw()
 
 
 def test_iter_owned_slots_yielding_nothing_is_named():

@@ -1,27 +1,25 @@
 """The store registry: schemes registered through ``kvcore_register_stores``, opened by URL.
 
-Self-contained on purpose: it reads the plugin manager kvcore already loaded
-(``kvcore.plugins.get_plugin_manager``) and calls each plugin's
-``kvcore_register_stores`` with a ``register`` that knows the calling plugin, so
-a scheme two distributions register is refused naming both.  The seam for a
-shared registrar is :func:`_collect`: it is the only code that walks hookimpls.
+Schemes are one :class:`kvcore.plugins.Kind` of the one registrar, with its one conflict
+rule: kvcore's own distributions keep their schemes, a scheme two others register is
+refused naming both, and a refused registration is listed with the other plugin failures.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
 from kvcore.errors import KvcoreError, PluginError
+from kvcore.registrar import Kind, Origin, PluginFailure
 from kvcore.stores.base import KVStore
 
 __all__ = [
+    "STORES",
     "StoreConfigError",
     "StoreNotFound",
     "StoreSpec",
@@ -95,89 +93,32 @@ class StoreSpec:
                 "plugin": self.plugin}
 
 
-@dataclass
-class _Found:
-    pm: Any
-    specs: dict[str, StoreSpec]
-    failures: list[str]
+def _make_store(origin: Origin, scheme: str, factory: Callable[[StoreURL], KVStore],
+                description: str = "") -> StoreSpec:
+    """One ``register(scheme, factory, description)`` call of ``kvcore_register_stores``, checked."""
+    if scheme != scheme.lower() or "://" in scheme:
+        raise PluginError(f"store scheme must be a lower-case name without '://', got {scheme!r}")
+    if not callable(factory):
+        raise PluginError(f"store {scheme!r}: factory {factory!r} is not callable")
+    return StoreSpec(scheme, factory, description, origin.distribution, origin.plugin)
 
 
-_lock = threading.Lock()
-_found: _Found | None = None
-
-
-def _distribution_of(plugin_name: str) -> str:
-    """The distribution of an entry point by name (the core's own modules are kvcore's)."""
-    if plugin_name.startswith("kvcore."):
-        return "kvcore"
-    for ep in metadata.entry_points(group="kvcore", name=plugin_name):
-        if ep.dist is not None:
-            return ep.dist.name
-    return "?"
-
-
-def _collect(pm: Any) -> _Found:
-    """Call every ``kvcore_register_stores`` once, one plugin at a time; settle each scheme."""
-    claims: dict[str, list[StoreSpec]] = {}
-    failures: list[str] = []
-    for impl in pm.hook.kvcore_register_stores.get_hookimpls():
-        dist = _distribution_of(impl.plugin_name)
-        mine: list[StoreSpec] = []
-
-        def register(scheme: str, factory: Callable[[StoreURL], KVStore], description: str = "", *,
-                     _dist: str = dist, _plugin: str = impl.plugin_name, _mine: list[StoreSpec] = mine) -> None:
-            if not isinstance(scheme, str) or not scheme or scheme != scheme.lower() or "://" in scheme:
-                raise PluginError(f"store scheme must be a lower-case name without '://', got {scheme!r}")
-            if not callable(factory):
-                raise PluginError(f"store {scheme!r}: factory {factory!r} is not callable")
-            if any(s.scheme == scheme for s in _mine):
-                raise PluginError(f"store {scheme!r} registered twice by {_dist}")
-            _mine.append(StoreSpec(scheme, factory, description, _dist, _plugin))
-
-        try:
-            impl.function(register=register)
-        except Exception as exc:  # one broken plugin must not hide the others' stores
-            failures.append(f"{impl.plugin_name} ({dist}): store registration failed: {type(exc).__name__}: {exc}")
-            continue
-        for spec in mine:
-            claims.setdefault(spec.scheme, []).append(spec)
-    specs: dict[str, StoreSpec] = {}
-    for scheme, got in claims.items():
-        if len(got) == 1:
-            specs[scheme] = got[0]
-        else:
-            both = " and ".join(s.distribution for s in got)
-            failures.append(f"store {scheme!r} is registered by both {both}; uninstall one")
-    return _Found(pm, dict(sorted(specs.items())), failures)
-
-
-def _state() -> _Found:
-    global _found
-    from kvcore.plugins import get_plugin_manager
-
-    pm = get_plugin_manager()
-    with _lock:
-        # A reload of the plugins (reset_plugins) builds a new manager: collect again.
-        if _found is None or _found.pm is not pm:
-            _found = _collect(pm)
-        return _found
+STORES: Kind[StoreSpec] = Kind("store", "kvcore_register_stores", _make_store, error=StoreNotFound)
 
 
 def reset_stores() -> None:
-    """Forget the collected schemes; the next lookup collects again."""
-    global _found
-    with _lock:
-        _found = None
+    """Forget the collected schemes; the next lookup collects them again."""
+    STORES.reset()
 
 
 def available_stores() -> dict[str, StoreSpec]:
     """Every registered store scheme: factory, description, distribution."""
-    return dict(_state().specs)
+    return STORES.all()
 
 
-def store_failures() -> list[str]:
-    """Why a plugin's stores were not registered (one line each)."""
-    return list(_state().failures)
+def store_failures() -> list[PluginFailure]:
+    """Store registrations that were refused, and why."""
+    return STORES.failures()
 
 
 def open_store(url: str) -> KVStore:
@@ -189,11 +130,15 @@ def open_store(url: str) -> KVStore:
     store is down: that store answers misses until it comes back.
     """
     parsed = StoreURL.parse(url)
-    specs = _state().specs
+    specs = STORES.all()
     spec = specs.get(parsed.scheme)
     if spec is None:
+        disputed = STORES.dispute(parsed.scheme)
+        if disputed:
+            raise StoreNotFound(f"{disputed} (in {url!r})")
         known = ", ".join(f"{s}://" for s in specs) or "none"
-        raise StoreNotFound(f"no store for scheme {parsed.scheme + '://'!r} in {url!r}; known: {known}")
+        raise StoreNotFound(f"no store for scheme {parsed.scheme + '://'!r} in {url!r}; known: {known} (a "
+                            "distribution adds one with the kvcore_register_stores hook)")
     try:
         return spec.factory(parsed)
     except StoreConfigError:

@@ -81,33 +81,41 @@ def test_bad_urls_name_what_is_wrong(url, error, match):
         kvcore.open_store(url)
 
 
-def test_a_scheme_two_plugins_register_is_refused_naming_both():
-    import pluggy
+def test_a_scheme_two_plugins_register_is_refused_naming_both(tmp_path, monkeypatch):
+    """Stores follow the registrar's one rule (kvcore.plugins.Kind), as every other kind does."""
+    from kvcore.plugins import plugin_failures, reset_plugins
+    from kvcore.stores.registry import available_stores, store_failures
+    from kvcore.testing.distributions import make_dist
 
-    from kvcore import hookimpl, hookspecs
-    from kvcore.stores.registry import _collect
-
-    class One:
-        @hookimpl
-        def kvcore_register_stores(self, register):
+    make_dist(tmp_path, "one-kv", "store_one", """
+        import kvcore
+        @kvcore.hookimpl
+        def kvcore_register_stores(register):
             register("dup", lambda url: None, description="one")
             register("only-one", lambda url: None)
-
-    class Two:
-        @hookimpl
-        def kvcore_register_stores(self, register):
+    """)
+    make_dist(tmp_path, "two-kv", "store_two", """
+        import kvcore
+        @kvcore.hookimpl
+        def kvcore_register_stores(register):
             register("dup", lambda url: None, description="two")
-
-    class Broken:
-        @hookimpl
-        def kvcore_register_stores(self, register):
+    """)
+    make_dist(tmp_path, "broken-kv", "store_broken", """
+        import kvcore
+        @kvcore.hookimpl
+        def kvcore_register_stores(register):
             register("Bad://", lambda url: None)
-
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
-    for name, plugin in (("one", One()), ("two", Two()), ("broken", Broken())):
-        pm.register(plugin, name=name)
-    found = _collect(pm)
-    assert set(found.specs) == {"only-one"}
-    assert any("'dup' is registered by both" in f for f in found.failures)
-    assert any("broken" in f and "lower-case" in f for f in found.failures)
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reset_plugins()
+    try:
+        found = available_stores()
+        assert "only-one" in found and "dup" not in found and {"memory", "file"} <= set(found)
+        errors = [f"{f.distribution}: {f.error}" for f in store_failures()]
+        assert any("'dup' is registered by both one-kv" in e and "two-kv" in e for e in errors), errors
+        assert any(e.startswith("broken-kv:") and "lower-case" in e for e in errors), errors
+        assert {f.distribution for f in plugin_failures()} >= {"one-kv", "two-kv", "broken-kv"}
+        with pytest.raises(StoreNotFound, match=r"'dup' is registered by both .* \(in 'dup://x'\)"):
+            kvcore.open_store("dup://x")
+    finally:
+        reset_plugins()
