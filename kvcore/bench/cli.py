@@ -363,7 +363,7 @@ def bench(
         check_tier_options(opts.host_size, opts.store, opts.instances, plan.config["page_size"],
                            opts.host_write_policy)
     if opts.instances > 1:
-        from kvcore.bench.tiers import render_instances, run_instances
+        from kvcore.bench.instances import render_instances, run_instances
 
         if len(plan.names) > 1:
             raise UsageError("--instances runs one backend: give --backend alone")

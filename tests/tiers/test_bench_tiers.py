@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kvcore.bench.instances import run_share, split_workload
 from kvcore.bench.spec import RequestSpec, Workload
-from kvcore.bench.tiers import run_share, split_workload
 from kvcore.cli import app
 
 runner = CliRunner()
