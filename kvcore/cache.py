@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BasePrefixCache",
+    "NodeT",
     "MatchResult",
     "InsertResult",
     "EvictResult",
@@ -116,8 +117,12 @@ class SlotOwner(NamedTuple):
     slots: torch.Tensor
 
 
-class BasePrefixCache(ABC):
-    """A prefix cache over a req_to_token pool and a token-slot allocator.
+#: A backend's node type: ``BasePrefixCache[UnifiedNode]`` takes and returns its own nodes in the lock calls.
+NodeT = TypeVar("NodeT")
+
+
+class BasePrefixCache(ABC, Generic[NodeT]):
+    """A prefix cache over a req_to_token pool and a token-slot allocator, generic in its node type.
 
     Built backends expose ``req_to_token_pool``, ``token_to_kv_pool_allocator`` and
     ``page_size``.  The per-step calls (match, insert, evict, locks) are plain
@@ -219,12 +224,12 @@ class BasePrefixCache(ABC):
         """
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> LockResult: ...
+    def inc_lock_ref(self, node: NodeT) -> LockResult: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult: ...
+    def dec_lock_ref(self, node: NodeT, lock: LockResult | None = None) -> LockResult: ...
 
-    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
+    def dec_swa_lock_only(self, node: NodeT, lock: LockResult | None = None) -> LockResult:
         """Give back only the window part of ``lock`` (the full lock stays), as SGLang's ``dec_swa_lock_only``.
 
         A scheduler calls it once a request has decoded past the window
@@ -239,7 +244,7 @@ class BasePrefixCache(ABC):
 
     # -- the request's lock: one rule for every backend ---------------------
 
-    def check_node_locked(self, node: Any, what: str) -> None:
+    def check_node_locked(self, node: NodeT, what: str) -> None:
         """Raise (TypeError for a foreign node, ValueError for an unlocked one) unless ``node`` is a
         node of this cache whose path a request's lock holds.  Tree backends override it; the
         default (a cache without nodes) accepts anything."""

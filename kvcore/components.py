@@ -108,6 +108,7 @@ from kvcore.registrar import Kind, Origin, PluginFailure, first_doc_line
 if TYPE_CHECKING:
     from kvcore.cache import LockResult, SlotOwner
     from kvcore.pool_builder import Placement
+    from kvcore.tree.unified import UnifiedNode, UnifiedRadixCache
 
 __all__ = [
     "COMPONENTS",
@@ -151,38 +152,38 @@ class TreeComponent:
         """The request table the cache needs for this component on placement ``at``, or None (the default one)."""
         return None
 
-    def __init__(self, cache: Any, options: BaseModel | None) -> None:
+    def __init__(self, cache: UnifiedRadixCache, options: BaseModel | None) -> None:
         self.cache = cache
         self.opts = options
 
     # -- per node -------------------------------------------------------------------
-    def has_value(self, node: Any) -> bool:
+    def has_value(self, node: UnifiedNode) -> bool:
         raise NotImplementedError
 
-    def value_len(self, node: Any) -> int:
+    def value_len(self, node: UnifiedNode) -> int:
         raise NotImplementedError
 
-    def owned_slots(self, node: Any) -> Iterator[SlotOwner]:
+    def owned_slots(self, node: UnifiedNode) -> Iterator[SlotOwner]:
         return iter(())
 
-    def free_value(self, node: Any) -> int:
+    def free_value(self, node: UnifiedNode) -> int:
         """Return ``node``'s units to the pool and make it a tombstone; the units freed."""
         raise NotImplementedError
 
-    def on_split(self, upper: Any, child: Any) -> None:
+    def on_split(self, upper: UnifiedNode, child: UnifiedNode) -> None:
         """``child`` was cut: ``upper`` holds its first ``len(upper.key)`` tokens."""
 
     # -- match ----------------------------------------------------------------------
     def validator(self) -> Callable[[Any], bool]:
         return self.has_value
 
-    def touch(self, node: Any) -> None:
+    def touch(self, node: UnifiedNode) -> None:
         """An insert walked through ``node`` (recency)."""
 
-    def after_match(self, node: Any) -> None:
+    def after_match(self, node: UnifiedNode) -> None:
         """A match ended at ``node`` (recency of the matched path)."""
 
-    def after_insert(self, node: Any) -> None:
+    def after_insert(self, node: UnifiedNode) -> None:
         """An insert ended at ``node`` (recency)."""
 
     def finish_match(self, result: Any, cow: bool, req: Any) -> Any:
@@ -203,24 +204,24 @@ class TreeComponent:
         """Before a request's insert: fill ``ins``; return a length to cut the insert to, or None."""
         return None
 
-    def on_insert_overlap(self, node: Any, prefix_len: int, total_prefix_len: int, value_slice: Any,
+    def on_insert_overlap(self, node: UnifiedNode, prefix_len: int, total_prefix_len: int, value_slice: Any,
                           ins: Any) -> int:
         return prefix_len
 
-    def on_insert_commit(self, node: Any, is_new_leaf: bool, ins: Any) -> None:
+    def on_insert_commit(self, node: UnifiedNode, is_new_leaf: bool, ins: Any) -> None:
         pass
 
     def after_cache_req(self, req: Any, finished: bool, ins: Any, result: Any) -> None:
         """After a request's insert and lock release (Mamba frees the request's forked state)."""
 
     # -- locks ----------------------------------------------------------------------
-    def lock(self, node: Any, lock: LockResult) -> None:
+    def lock(self, node: UnifiedNode, lock: LockResult) -> None:
         raise NotImplementedError
 
-    def unlock(self, node: Any, lock: LockResult | None) -> None:
+    def unlock(self, node: UnifiedNode, lock: LockResult | None) -> None:
         raise NotImplementedError
 
-    def lock_ref(self, node: Any) -> int:
+    def lock_ref(self, node: UnifiedNode) -> int:
         raise NotImplementedError
 
     # -- eviction -------------------------------------------------------------------
@@ -267,7 +268,7 @@ class TreeComponent:
             f"{self.name}_total_size": lambda: self.evictable_size() + self.protected_size(),
         }
 
-    def check(self, node: Any) -> None:
+    def check(self, node: UnifiedNode) -> None:
         """``sanity_check``: assert this component's invariants on ``node``."""
 
     def check_totals(self, root: Any) -> None:

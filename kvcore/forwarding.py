@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["ForwardingCache"]
 
 
-class ForwardingCache(BasePrefixCache):
+class ForwardingCache(BasePrefixCache[Any]):
     """Forwards every :class:`BasePrefixCache` call, attribute and capability to ``inner``."""
 
     def __init__(self, inner: BasePrefixCache) -> None:

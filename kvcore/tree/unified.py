@@ -125,7 +125,7 @@ class InsertArgs:
     key_len: int = 0
 
 
-class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
+class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode]):
     """SGLang's UnifiedRadixCache (or, full-only with ``semantics = "radix"``, its RadixCache); the class is its
     own ``create_cache`` factory."""
 
@@ -1004,7 +1004,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
             raise TypeError(f"{what}: expected a node of this cache, got {type(node).__name__}")
         return path_to_root(node, self.root_node, what)
 
-    def inc_lock_ref(self, node: Any) -> LockResult:
+    def inc_lock_ref(self, node: UnifiedNode) -> LockResult:
         """Lock ``node`` for a request: each component takes its share (full: the path to the root)."""
         if self.radix:
             # RadixCache: a node of this tree (TypeError otherwise, None included); the root locks nothing.
@@ -1027,7 +1027,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self.update_leaf(node)
         return lock
 
-    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
+    def dec_lock_ref(self, node: UnifiedNode, lock: LockResult | None = None) -> LockResult:
         """Give back what ``inc_lock_ref(node)`` returned as ``lock``."""
         if self.radix:
             if self.disable:
@@ -1064,7 +1064,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         deltas = [c.protected_size() - b for c, b in zip(self.components, before)]
         return LockResult(deltas[0], None, {f"{c.name}_delta": d for c, d in zip(self.aux, deltas[1:])})
 
-    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
+    def dec_swa_lock_only(self, node: UnifiedNode, lock: LockResult | None = None) -> LockResult:
         """Release the window part of ``lock`` early (and the lower-priority locks on ``node``)."""
         if node is None or self.disable or node is self.root_node:
             return LockResult(0)
@@ -1228,7 +1228,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache):
         self.token_to_kv_pool_allocator.check_claimable(slots, what=f"request {req.rid!r}")
         return True
 
-    def check_node_locked(self, node: Any, what: str) -> None:
+    def check_node_locked(self, node: UnifiedNode, what: str) -> None:
         if node is not self.root_node:
             check_locked(self._path(node, what), node, what)
 

@@ -73,7 +73,7 @@ class ExampleNode(Node):
         self.priority = 0
 
 
-class ExampleCache(ResumableInsert, BasePrefixCache):
+class ExampleCache(ResumableInsert, BasePrefixCache[ExampleNode]):
     """A radix tree over kvcore's pools: page-aligned reuse, path locks, policy-ordered leaf eviction."""
 
     def __init__(self, params: CacheInitParams) -> None:
@@ -172,7 +172,7 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
             raise TypeError(f"{what}: expected an ExampleNode of this cache, got {type(node).__name__}")
         return path_to_root(node, self.root_node, what)  # ValueError: evicted, or another cache's
 
-    def inc_lock_ref(self, node: Any) -> LockResult:
+    def inc_lock_ref(self, node: ExampleNode) -> LockResult:
         if self.disable:
             return LockResult(delta=0)
         return LockResult(delta=self._lock(self._path(node, "inc_lock_ref")))
@@ -183,7 +183,7 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
         self._protected += delta
         return delta
 
-    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
+    def dec_lock_ref(self, node: ExampleNode, lock: LockResult | None = None) -> LockResult:
         if self.disable:
             return LockResult(delta=0)
         path = self._path(node, "dec_lock_ref")
@@ -227,7 +227,7 @@ class ExampleCache(ResumableInsert, BasePrefixCache):
 
     # -- the request lifecycle ------------------------------------------------------------
 
-    def check_node_locked(self, node: Any, what: str) -> None:
+    def check_node_locked(self, node: ExampleNode, what: str) -> None:
         # What the inherited check_req / check_req_lock ask of a tree: a node of ours, its path locked.
         check_locked(self._path(node, what), node, what)
 

@@ -54,7 +54,7 @@ from kvcore.pools.allocator import TokenToKVPoolAllocator, split_row_segments
 from kvcore.pools.views import PoolView
 from kvcore.record import ceil_align, floor_align
 from kvcore.tree import check_evict_count
-from kvcore.tree.unified import UnifiedRadixCache
+from kvcore.tree.unified import UnifiedNode, UnifiedRadixCache
 from kvcore.tree.unified_config import RadixTreeConfig
 from kvcore_swa.chunk import SWAChunkCache
 from kvcore_swa.config import SlidingWindowConfig
@@ -169,7 +169,7 @@ class PureSWAChunkCache(SWAChunkCache):
         return {"full": (0, 0)}
 
 
-class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
+class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache[UnifiedNode]):
     """SGLang's ``PureSWARadixCache``: the core tree with RadixCache's answers, a window, and the floor-bounded finish.
 
     ``self.tree`` is that tree (:class:`kvcore.tree.unified.UnifiedRadixCache` on a
@@ -185,7 +185,7 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
         self.sliding_window_size = window_size(params.config, sliding_window_size)
         fields = RadixTreeConfig.model_fields
         options = {k: v for k, v in params.config.model_dump().items() if k in fields}
-        self.tree: BasePrefixCache = UnifiedRadixCache(
+        self.tree: BasePrefixCache[UnifiedNode] = UnifiedRadixCache(
             CacheInitParams(
                 req_to_token_pool=params.req_to_token_pool,
                 token_to_kv_pool_allocator=alloc,
@@ -208,7 +208,7 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def disable(self) -> bool:  # type: ignore[override]
         return self.tree.disable
 
-    def check_node_locked(self, node: Any, what: str) -> None:
+    def check_node_locked(self, node: UnifiedNode, what: str) -> None:
         self.tree.check_node_locked(node, what)
 
     def match_prefix(self, key: KeyLike) -> MatchResult:
@@ -217,10 +217,10 @@ class PureSWARadixCache(SlidingWindowMixin, BasePrefixCache):
     def insert(self, key: KeyLike, value: torch.Tensor | None = None, **kwargs: int) -> InsertResult:
         return self.tree.insert(key, value, **kwargs)
 
-    def inc_lock_ref(self, node: Any) -> LockResult:
+    def inc_lock_ref(self, node: UnifiedNode) -> LockResult:
         return self.tree.inc_lock_ref(node)
 
-    def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
+    def dec_lock_ref(self, node: UnifiedNode, lock: LockResult | None = None) -> LockResult:
         return self.tree.dec_lock_ref(node, lock)
 
     def evictable_size(self) -> int:
