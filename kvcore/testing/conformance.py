@@ -385,26 +385,37 @@ class PrefixCacheConformance:
             assert snapshot(cache) == before
         check_invariants(cache)
 
-    def test_chunked_prefill_then_finish(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
-        cache = build()
+    def run_chunked_prompt(self, cache: BasePrefixCache, page_size: int) -> tuple[list[int], list[int]]:
+        """A prompt of five pages and three tokens through chunked prefill (chunks of two pages and one
+        token), three decoded tokens, then finished.  Returns the prompt and the request's protected length
+        after each chunk that left one, then where the finish kept its end (page-floored)."""
         rng = random.Random(7)
         prompt = random_tokens(rng, 5 * page_size + 3)
         req = make_req("chunked", prompt)
         assert admit(cache, req)
         check_invariants(cache, [req])
         chunk = 2 * page_size + 1
+        boundaries = []
         while req.kv.kv_committed_len < len(prompt):
             assert prefill(cache, req, req.kv.kv_committed_len + chunk)
             kv = req.kv
             assert kv.cache_protected_len <= kv.kv_committed_len <= kv.kv_allocated_len
             if self.supports_prefix_reuse and kv.kv_committed_len < len(prompt):
+                # Each chunk is cached: the next one resumes at its (page-floored) end.
                 assert kv.cache_protected_len == floor_align(kv.kv_committed_len, page_size)
                 assert req.prefix_indices.numel() == kv.kv_committed_len
+                boundaries.append(kv.cache_protected_len)
             check_invariants(cache, [req])
         decode(cache, req, 3)
         check_invariants(cache, [req])
+        boundaries.append(floor_align(req.kv.kv_committed_len, page_size))
         finish(cache, req)
         check_invariants(cache)
+        return prompt, boundaries
+
+    def test_chunked_prefill_then_finish(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
+        cache = build()
+        prompt, _ = self.run_chunked_prompt(cache, page_size)
         if self.supports_prefix_reuse:
             other = make_req("other", prompt + [1, 2])
             assert admit(cache, other)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvcore.keys import RadixKey
 from kvcore.record import floor_align
 from kvcore.testing.conformance import PrefixCacheConformance, insert_owned, random_tokens
-from kvcore.testing.helpers import admit, check_invariants, decode, finish, make_req, prefill
+from kvcore.testing.helpers import admit, check_invariants, finish, make_req, prefill
 
 if TYPE_CHECKING:
     from kvcore.cache import BasePrefixCache
@@ -59,24 +59,8 @@ class StatefulMatchConformance(PrefixCacheConformance):
 
     def test_chunked_prefill_then_finish(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
         cache = build()
-        rng = random.Random(7)
-        prompt = random_tokens(rng, 5 * page_size + 3)
-        req = make_req("chunked", prompt)
-        assert admit(cache, req)
-        chunk = 2 * page_size + 1
-        boundaries = []
-        while req.kv.kv_committed_len < len(prompt):
-            assert prefill(cache, req, req.kv.kv_committed_len + chunk)
-            kv = req.kv
-            if kv.kv_committed_len < len(prompt):
-                # Each chunk leaves an accepted node at its (page-floored) end: the next chunk resumes there.
-                assert kv.cache_protected_len == floor_align(kv.kv_committed_len, page_size)
-                assert req.prefix_indices.numel() == kv.kv_committed_len
-                boundaries.append(kv.cache_protected_len)
-            check_invariants(cache, [req])
-        decode(cache, req, 3)
-        boundaries.append(floor_align(req.kv.kv_committed_len, page_size))  # where the finish keeps its end
-        finish(cache, req)
+        # Each chunk leaves an accepted node at its (page-floored) end, and the finish one at its own.
+        prompt, boundaries = self.run_chunked_prompt(cache, page_size)
         self.self_check(cache)
         check_invariants(cache)
         # A request sharing the prompt only resumes from the deepest boundary inside the prompt.
