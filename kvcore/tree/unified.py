@@ -219,8 +219,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         node.creation_time = t + 1.0
         self._time = t + 2.0
         node.priority = priority
-        for k, v in self._node_fields.items():
-            setattr(node, k, v)
+        node.__dict__.update(self._node_fields)  # every component's fields at their initial values, in one call
         return node
 
     def radix_node(self, now: float, priority: int = 0, key: list[int] | None = None, value: Any = None,
