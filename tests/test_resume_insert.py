@@ -448,3 +448,30 @@ def test_window_limited_rematch_same_as_whole_prefix(backend: str) -> None:
         assert a == b, f"{decoded} decode steps: resumed and whole-prefix paths differ"
         limited += short
     assert limited, "no run ended on a node with too few window tokens: the case this test is for"
+
+
+@pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
+@pytest.mark.parametrize("resumed", [True, False])
+@pytest.mark.parametrize("call", ["cache_unfinished_req", "cache_finished_req"])
+def test_fewer_ids_than_committed_is_refused_before_any_component_acts(backend: str, resumed: bool,
+                                                                       call: str) -> None:
+    """A record committing past its ids is refused with nothing changed, on either path: no component has
+    freed a window slot or taken a state slot for an insert that cannot happen."""
+    s = Side(backend, 1, "lru", resumed)
+    req = Req("r", list(range(2, 60)))
+    s.reqs["r"] = req
+    assert s.engine.admit(req) and s.engine.extend(req, 16) and s.engine.extend(req, 32)
+    assert s.engine.extend_slots(req, 40)
+    if not resumed:
+        req.kv.resume = None
+    req.kv.kv_committed_len = 40
+    ids = req.origin_input_ids
+    req.origin_input_ids = ids[:36]
+    s.state()  # (takes the setup's KV events)
+    before = s.state()
+    with pytest.raises(ValueError, match="36 tokens"):  # each backend words it its own way
+        getattr(s.cache, call)(req)
+    assert s.state() == before
+    req.origin_input_ids = ids
+    s.engine.finish(s.reqs.pop("r"))
+    InvariantChecker(s.cache).check([])

@@ -1306,13 +1306,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
                 self._unfinished_from_root(req, chunked, row)
             return
         upper = self.resume_path(req)
+        # (Refused before any component acts when the request holds fewer ids than it committed.)
+        ids = request_ids(req, committed) if upper is None else None
         ins, eff = self._prepare_unfinished(req, chunked)
         if eff <= 0:
             self._left_uncached(req, ins, row)
         elif upper is not None and floor_align(eff, self.page_size) >= kv.cache_protected_len:
             self._unfinished_resumed(req, upper, ins, eff, row)
         else:
-            self._unfinished_from_root(req, chunked, row, ins, eff)
+            self._unfinished_from_root(req, chunked, row, ins, eff, ids)
 
     def _prepare_unfinished(self, req: Req, chunked: bool) -> tuple[InsertArgs, int]:
         """The row's claim (strict), then each component's part of a running request's insert; returns the
@@ -1331,16 +1333,19 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
             c.after_cache_req(req, False, ins, None)
 
     def _unfinished_from_root(self, req: Req, chunked: bool, row: torch.Tensor, ins: InsertArgs | None = None,
-                              eff: int = 0) -> None:
-        """SGLang's ``cache_unfinished_req``: the whole prefix inserted from the root and matched again."""
+                              eff: int = 0, ids: list[int] | None = None) -> None:
+        """SGLang's ``cache_unfinished_req``: the whole prefix inserted from the root and matched again
+        (``ins``, ``eff``: the components' preparation, done already; ``ids``: the request's, checked)."""
         kv = req.kv
         committed = kv.kv_committed_len
         if ins is None:
+            ids = request_ids(req, committed)
             ins, eff = self._prepare_unfinished(req, chunked)
             if eff <= 0:
                 self._left_uncached(req, ins, row)
                 return
-        ids = request_ids(req, committed)
+        if ids is None:
+            ids = request_ids(req, committed)
         aligned = floor_align(eff, self.page_size)
         values = row[:aligned].to(torch.int64, copy=True)
         key = RadixKey(ids[:aligned], req.extra_key)
