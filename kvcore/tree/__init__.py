@@ -15,7 +15,8 @@ Keys
     without converting arrays.  Keys with different ``extra_key`` never share a prefix.
     :func:`check_evict_count` (an ``evict`` count: TypeError for a non-int,
     ValueError when negative); :func:`request_ids` (a request's first ``n``
-    ``fill_ids``: ValueError naming it when it holds fewer).
+    ``fill_ids``: ValueError naming it when it holds fewer; :func:`check_request_ids`
+    is that check alone, without building the ids).
 
 Slots a tree keeps
     With the common ``strict`` option on (the default), a tree claims the slots
@@ -108,7 +109,7 @@ its (evictable, protected) counts per pool from ``cached_sizes()``.
 """
 
 from kvcore.keys import check_token_ids, checked_key, token_id_list
-from kvcore.tree.checks import check_evict_count, request_ids
+from kvcore.tree.checks import check_evict_count, check_request_ids, request_ids
 from kvcore.tree.events import (
     AllPagesCleared,
     KVEventLog,
@@ -153,6 +154,7 @@ __all__ = [
     "chain_page_hashes",
     "check_evict_count",
     "check_locked",
+    "check_request_ids",
     "check_token_ids",
     "checked_key",
     "checked_value",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["check_evict_count", "request_ids"]
+__all__ = ["check_evict_count", "check_request_ids", "request_ids"]
 
 
 def check_evict_count(value: Any, what: str = "num_tokens") -> int:
@@ -21,12 +21,21 @@ def check_evict_count(value: Any, what: str = "num_tokens") -> int:
     return n
 
 
+def check_request_ids(req: Any, n: int, have: int | None = None) -> None:
+    """ValueError naming the request when it holds fewer than ``n`` token ids (its ``kv_committed_len``);
+    ``have``: how many it holds (default ``req.seqlen``, so ``fill_ids`` need not be built).  Call it
+    before anything changes."""
+    if have is None:
+        have = req.seqlen
+    if have < n:
+        raise ValueError(f"request {req.rid!r} has {have} tokens but kv_committed_len={n}")
+
+
 def request_ids(req: Any, n: int) -> list[int]:
     """The first ``n`` token ids of ``req`` (``fill_ids[:n]``), the key its cached KV goes under.
 
     ValueError naming the request when it holds fewer than ``n`` ids (nothing changed).
     """
     ids = req.fill_ids
-    if len(ids) < n:
-        raise ValueError(f"request {req.rid!r} has {len(ids)} tokens but kv_committed_len={n}")
+    check_request_ids(req, n, len(ids))
     return ids[:n]

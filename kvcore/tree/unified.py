@@ -50,6 +50,7 @@ from kvcore.tree import (
     alloc_value,
     check_evict_count,
     check_locked,
+    check_request_ids,
     checked_value,
     child_key,
     descend,
@@ -62,7 +63,6 @@ from kvcore.tree import (
     proven_prefix_len,
     record_removed,
     record_stored,
-    request_ids,
     resolve_policy,
     split_node,
     tree_lines,
@@ -1260,9 +1260,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         ins = None
         result = None
         if is_insert:
+            check_request_ids(req, committed)  # before any component acts
             upper = self.resume_path(req) if self.aux else None
-            # (Refused before any component acts when the request holds fewer ids than it committed.)
-            ids = request_ids(req, committed) if upper is None else None
             row_checked = self._check_row_claim(req, committed)
             ins, eff = self._prepare(req, committed, True)
             ins.row_checked = row_checked
@@ -1276,8 +1275,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
                 result = InsertResult(prefix_len, last, duplicates_freed=True)
             elif aligned > 0:
                 values = row[:aligned].to(torch.int64, copy=True)
-                ids = request_ids(req, committed) if ids is None else ids
-                prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins)
+                prefix_len, last = self._insert(req.fill_slice(0, aligned), req.extra_key, aligned, values, ins)
                 result = InsertResult(prefix_len, last, duplicates_freed=True)
             # The unaligned tail, and what a component cut off the insert (SGLang frees both).
             start = max(aligned, protected)
@@ -1305,16 +1303,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
             if not self.resume_unfinished(req, chunked):
                 self._unfinished_from_root(req, chunked, row)
             return
+        check_request_ids(req, committed)  # before any component acts
         upper = self.resume_path(req)
-        # (Refused before any component acts when the request holds fewer ids than it committed.)
-        ids = request_ids(req, committed) if upper is None else None
         ins, eff = self._prepare_unfinished(req, chunked)
         if eff <= 0:
             self._left_uncached(req, ins, row)
         elif upper is not None and floor_align(eff, self.page_size) >= kv.cache_protected_len:
             self._unfinished_resumed(req, upper, ins, eff, row)
         else:
-            self._unfinished_from_root(req, chunked, row, ins, eff, ids)
+            self._unfinished_from_root(req, chunked, row, ins, eff)
 
     def _prepare_unfinished(self, req: Req, chunked: bool) -> tuple[InsertArgs, int]:
         """The row's claim (strict), then each component's part of a running request's insert; returns the
@@ -1333,23 +1330,20 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
             c.after_cache_req(req, False, ins, None)
 
     def _unfinished_from_root(self, req: Req, chunked: bool, row: torch.Tensor, ins: InsertArgs | None = None,
-                              eff: int = 0, ids: list[int] | None = None) -> None:
+                              eff: int = 0) -> None:
         """SGLang's ``cache_unfinished_req``: the whole prefix inserted from the root and matched again
-        (``ins``, ``eff``: the components' preparation, done already; ``ids``: the request's, checked)."""
-        kv = req.kv
-        committed = kv.kv_committed_len
+        (``ins``, ``eff``: the components' preparation, done already, after the ids were checked)."""
         if ins is None:
-            ids = request_ids(req, committed)
+            check_request_ids(req, req.kv.kv_committed_len)  # before any component acts
             ins, eff = self._prepare_unfinished(req, chunked)
             if eff <= 0:
                 self._left_uncached(req, ins, row)
                 return
-        if ids is None:
-            ids = request_ids(req, committed)
         aligned = floor_align(eff, self.page_size)
         values = row[:aligned].to(torch.int64, copy=True)
-        key = RadixKey(ids[:aligned], req.extra_key)
-        prefix_len, last = self._insert(ids[:aligned], req.extra_key, aligned, values, ins) if aligned else (0, None)
+        ids = req.fill_slice(0, aligned)
+        key = RadixKey(ids, req.extra_key)
+        prefix_len, last = self._insert(ids, req.extra_key, aligned, values, ins) if aligned else (0, None)
         m = self.match_prefix(key, cow_mamba=False, req=req)
         new = m.device_indices
         new_len = int(new.numel())
