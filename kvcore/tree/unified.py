@@ -1231,9 +1231,13 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         if node is not self.root_node:
             check_locked(self._path(node, what), node, what)
 
-    def _prepare(self, req: Req, n: int, finished: bool) -> tuple[InsertArgs, int]:
-        ins = InsertArgs(req.kv.cache_protected_len, 0, None, False, int(req.priority))
-        eff = n
+    def _prepare(self, req: Req, finished: bool, chunked: bool = False) -> tuple[InsertArgs, int]:
+        """The row's claim (strict: refused before any component frees a slot), then each component's part
+        of a request's insert; returns the insert's arguments and the length the components cut it to."""
+        committed = req.kv.kv_committed_len
+        row_checked = self._check_row_claim(req, committed)
+        ins = InsertArgs(req.kv.cache_protected_len, 0, None, chunked, int(req.priority), row_checked=row_checked)
+        eff = committed
         for c in self.aux:
             cut = c.prepare_insert(req, ins, finished)
             if cut is not None and cut < eff:
@@ -1262,9 +1266,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         if is_insert:
             check_request_ids(req, committed)  # before any component acts
             upper = self.resume_path(req) if self.aux else None
-            row_checked = self._check_row_claim(req, committed)
-            ins, eff = self._prepare(req, committed, True)
-            ins.row_checked = row_checked
+            ins, eff = self._prepare(req, True)
             aligned = floor_align(min(eff, committed), self.page_size)
             row = self.row(kv)
             if upper is not None and aligned >= protected:
@@ -1305,23 +1307,13 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
             return
         check_request_ids(req, committed)  # before any component acts
         upper = self.resume_path(req)
-        ins, eff = self._prepare_unfinished(req, chunked)
+        ins, eff = self._prepare(req, False, chunked)
         if eff <= 0:
             self._left_uncached(req, ins, row)
         elif upper is not None and floor_align(eff, self.page_size) >= kv.cache_protected_len:
             self._unfinished_resumed(req, upper, ins, eff, row)
         else:
             self._unfinished_from_root(req, chunked, row, ins, eff)
-
-    def _prepare_unfinished(self, req: Req, chunked: bool) -> tuple[InsertArgs, int]:
-        """The row's claim (strict), then each component's part of a running request's insert; returns the
-        insert's arguments and the length the components cut it to."""
-        committed = req.kv.kv_committed_len
-        row_checked = self._check_row_claim(req, committed)
-        ins, eff = self._prepare(req, committed, False)
-        ins.chunked = chunked
-        ins.row_checked = row_checked
-        return ins, eff
 
     def _left_uncached(self, req: Req, ins: InsertArgs, row: torch.Tensor) -> None:
         """A component cut the whole insert (Mamba: no state to cache): the request keeps its row as it is."""
@@ -1335,7 +1327,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         (``ins``, ``eff``: the components' preparation, done already, after the ids were checked)."""
         if ins is None:
             check_request_ids(req, req.kv.kv_committed_len)  # before any component acts
-            ins, eff = self._prepare_unfinished(req, chunked)
+            ins, eff = self._prepare(req, False, chunked)
             if eff <= 0:
                 self._left_uncached(req, ins, row)
                 return
