@@ -9,6 +9,7 @@ backends (radix, swa, ...) are separate distributions found through the
 from importlib.metadata import version as _version
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
+from kvcore.capabilities import Capability
 from kvcore.chunk_cache import ChunkCache
 from kvcore.config import CacheConfig, CacheInitParams, KvBufferConfig, TreeCacheConfig
 from kvcore.engine import Engine
@@ -44,6 +45,7 @@ __all__ = [
     "BackendNotFound",
     "BasePrefixCache",
     "CacheConfig",
+    "Capability",
     "CacheInitParams",
     "ChunkCache",
     "ConfigError",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import torch
 
+from kvcore.capabilities import Capability
 from kvcore.keys import KeyLike
 
 if TYPE_CHECKING:
@@ -140,15 +141,9 @@ class BasePrefixCache(ABC, Generic[NodeT]):
     # before anything changes (slot ownership checked on insert).
     disable: bool = False
     strict: bool = True
-    # Capabilities a backend declares (never probed by calling): ``dec_swa_lock_only`` gives back a
-    # window lock early (SGLang's SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW).
-    supports_window_lock_release: bool = False
-    # ``reports_evictions``: ``evict`` calls ``evicting(values)`` with what it evicts before freeing it (the
-    # tiers' write-back policy copies those pages out; see ``evicting``).
-    reports_evictions: bool = False
-    # ``windowed``: the cache frees window slots as requests decode (``free_window_slots``), so a record's
-    # window cursor is its to check.
-    windowed: bool = False
+    # What the cache can do beyond the core calls (kvcore.capabilities): declared, never probed; the
+    # accessors there (windowed(cache), stateful(cache), ...) return the cache typed as the capability's protocol.
+    capabilities: frozenset[Capability] = frozenset()
     # The tree's root node (SGLang's ``root_node``, for a scheduler's DFS over ``children``); None without a tree.
     root_node: Any = None
     # Set by create_cache: the registered name, this cache's own plugin manager and its hook relay.
@@ -216,7 +211,7 @@ class BasePrefixCache(ABC, Generic[NodeT]):
     def evicting(self, values: Sequence[torch.Tensor]) -> None:
         """What ``evict`` is about to free: the device slots of the nodes it evicted, in eviction order.
 
-        A backend that declares ``reports_evictions`` calls it once per ``evict`` that
+        A backend that declares ``Capability.EVICTION_REPORTS`` calls it once per ``evict`` that
         evicted anything, after the nodes left the tree and before their slots go back
         to the allocator, so the K/V bytes at ``values`` are still the evicted pages'.
         It must not change the tree or the pools.  The default does nothing; the tiers'
@@ -228,19 +223,6 @@ class BasePrefixCache(ABC, Generic[NodeT]):
 
     @abstractmethod
     def dec_lock_ref(self, node: NodeT, lock: LockResult | None = None) -> LockResult: ...
-
-    def dec_swa_lock_only(self, node: NodeT, lock: LockResult | None = None) -> LockResult:
-        """Give back only the window part of ``lock`` (the full lock stays), as SGLang's ``dec_swa_lock_only``.
-
-        A scheduler calls it once a request has decoded past the window
-        (``SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW``); ``dec_lock_ref(node, lock)``
-        later gives back the full side.  Backends that declare
-        ``supports_window_lock_release`` override it; this default refuses.
-        """
-        raise NotImplementedError(
-            f"backend {type(self).__name__} cannot release a window lock early (dec_swa_lock_only); "
-            "check supports_window_lock_release first"
-        )
 
     # -- the request's lock: one rule for every backend ---------------------
 
@@ -265,7 +247,8 @@ class BasePrefixCache(ABC, Generic[NodeT]):
             state = "holds no req_to_token row (released already, or never admitted)" if not kv.is_held else (
                 f"holds row {kv.req_pool_idx}, which this cache's pool did not hand to it (another cache's?)")
             raise ValueError(f"{what}: request {req.rid!r} {state}; nothing was changed")
-        kv.check_fields(f"{what}: request {req.rid!r}", self.page_size, pool.max_context_len, windowed=self.windowed)
+        kv.check_fields(f"{what}: request {req.rid!r}", self.page_size, pool.max_context_len,
+                        windowed=Capability.WINDOWED in self.capabilities)
         self.check_req_lock(req, what)
 
     def check_req_lock(self, req: Req, what: str) -> None:
@@ -286,14 +269,13 @@ class BasePrefixCache(ABC, Generic[NodeT]):
     def release_req_lock(self, req: Req) -> None:
         """Give back ``req``'s lock (``dec_lock_ref(req.last_node, req.lock)``) and clear both fields.
 
-        The record's resume point (``ReqKvInfo.resume``) names that lock's node: it goes too.
+        A tree that keeps resume points (``kvcore.tree.resume``) drops the request's here too.
         """
         node = req.last_node
         if node is not None:
             self.dec_lock_ref(node, req.lock)
         req.last_node = None
         req.lock = None
-        req.kv.resume = None
 
     # -- sizes --------------------------------------------------------------
 
@@ -350,57 +332,9 @@ class BasePrefixCache(ABC, Generic[NodeT]):
         ``InvariantChecker`` calls it after the pool checks; the default checks nothing.
         """
 
-    def sparse_top_k(self) -> int:
-        """Tokens of the context one decode step reads per request; 0 (the default) means dense attention.
-
-        Sparse-attention backends (host-tiered KV with a small device buffer) override
-        it together with ``on_decode_step``.
-        """
-        return 0
-
-    def on_decode_step(self, reqs: Sequence[Req], selections: torch.Tensor) -> Any:
-        """Once per decode step of a sparse backend, after the step's slots are allocated and before its K/V is written.
-
-        ``selections`` is an int64 ``(len(reqs), sparse_top_k())`` tensor of positions
-        in ``[0, seq_len)``, -1 padded.  Returns what the attention kernel reads (the
-        device locations of the selected tokens); the default does nothing.
-        """
-        return None
-
     def session_slots(self) -> list[Any]:
         """Records the cache keeps alive between requests (a streaming session's slots); none by default."""
         return []
-
-    # -- per-request state beside the token slots (retraction backups, session accounting) --
-
-    def backup_request_state(self, req: Req) -> Any:
-        """A host copy of the state ``req`` holds beside its token slots, for ``kvcore.retraction.offload_kv_cache``.
-
-        None (the default) when the cache keeps no such state; a recurrent-state
-        backend (mamba) overrides this and ``restore_request_state``.
-        """
-        return None
-
-    def restore_request_state(self, req: Req, state: Any) -> None:
-        """Write a ``backup_request_state`` copy into the state ``req`` holds now
-        (``kvcore.retraction.load_kv_cache``)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no per-request state to restore")
-
-    def request_state_slots(self, kv: ReqKvInfo) -> int:
-        """Slots of the cache's per-request state pool(s) the record ``kv`` holds (0 by default).
-
-        A streaming session counts what its idle slots hold with this
-        (``session_held_mamba_slots``); backends with a state pool override it.
-        """
-        return 0
-
-    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-        """Free what left the attention window for a decode batch; returns the positions released.
-
-        ``pre_lens`` defaults to each record's allocated length.  A cache without a
-        window frees nothing; sliding-window backends override this.
-        """
-        return 0
 
     def rebase_on_match(self, req: Req, match: MatchResult, committed: int) -> int:
         """Point a running request at the tree's copy of its prefix, after ``cache_unfinished_req`` inserted it.

@@ -102,6 +102,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
+from kvcore.capabilities import Capability
 from kvcore.errors import PluginError
 from kvcore.registrar import Kind, Origin, PluginFailure, first_doc_line
 
@@ -134,8 +135,11 @@ class TreeComponent:
     pool: ClassVar[str] = ""
     #: Per-node attributes (name -> initial value) the tree sets on every new node.
     node_fields: ClassVar[dict[str, Any]] = {}
-    #: True for the sliding-window component: ``dec_swa_lock_only`` releases its lock early.
-    window_lock: ClassVar[bool] = False
+    #: What the component gives the cache beyond the core calls (``kvcore.capabilities``): the cache declares the
+    #: union of its components'.  ``WINDOWED``: the component has a ``window`` (tokens) that ``free_window_slots``
+    #: frees behind; ``WINDOW_LOCK_RELEASE``: ``dec_swa_lock_only`` gives back its lock (``release_window``);
+    #: ``REQUEST_STATE``: its ``request_state_slots``/``backup_request_state``/``restore_request_state`` answer.
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
 
     # -- options and pools (called on the class: while the config is validated; when its pools are built) --
     @staticmethod

@@ -52,13 +52,14 @@ allocator the cache frees to::
    ``Engine(prefill_aware_swa=True)`` each chunk also sets ``swa_evict_floor``
    to its end (SGLang's scheduler, prefill-aware SWA).  A chunk cache
    frees what left the window before each later chunk
-   (``cache.free_window_slots([req], [start])``, a no-op without a window).
+   (``cache.free_window_slots([req], [start])``, when the cache declares
+   ``Capability.WINDOWED``).
 
 3. **Decode** (``decode(reqs, tokens)``, one batched step).  First the window
    free of the whole batch in one call, ``cache.free_window_slots(reqs,
-   pre_lens)`` with each record's allocated length (SGLang's ``seqlen - 1``):
-   sliding-window backends return the slots that left the window, every other
-   backend does nothing.  Then one slot per request in one allocation
+   pre_lens)`` with each record's allocated length (SGLang's ``seqlen - 1``),
+   when the cache declares ``Capability.WINDOWED`` (``kvcore.capabilities``):
+   it returns the slots that left the window.  Then one slot per request in one allocation
    (``alloc_decode``: a new page only where the last one is full), written at
    position ``kv_allocated_len`` of each row, the token appended to
    ``output_ids`` and ``kv_allocated_len = kv_committed_len`` one further.
@@ -131,13 +132,13 @@ slots run short, unless ``release_idle_sessions=False``).
 row; ``fits(n)`` and ``make_room(n)`` to test and evict without allocating;
 ``alloc_decode(rows, seq_lens, seq_lens_cpu)`` for a decode step over tensors
 the scheduler keeps itself (the records are then the scheduler's to move);
-``cache.free_window_slots(reqs, pre_lens)`` on its own cadence with
+``kvcore.capabilities.windowed(cache).free_window_slots(reqs, pre_lens)`` on its own cadence with
 ``decode(..., free_window=False)``; ``release_idle_sessions=False`` to decide
 itself when sessions go; ``on_evict`` and ``kv_writer`` for its counters and
 K/V writes.
 
 Nothing here knows a backend by name: windows, extra pools and their
-shortfalls are the cache's business (``free_window_slots``, ``make_room``,
+shortfalls are the cache's business (its declared capabilities, ``make_room``,
 ``pools()``).
 """
 
@@ -150,6 +151,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvcore.capabilities import windowed
 from kvcore.keys import RadixKey, check_token_ids, checked_key
 from kvcore.record import Req, ReqKvInfo, RetractionBackup, ceil_align
 from kvcore.release import cache_unfinished_req, release_kv_cache
@@ -224,6 +226,8 @@ class Engine:
         prefill_aware_swa: bool = False,
     ) -> None:
         self._cache = cache
+        # The window frees of a windowed cache (None without a window): declared once, asked once.
+        self._window = windowed(cache)
         self._sessions = cache if isinstance(cache, StreamingSession) else None
         self._r2t = cache.req_to_token_pool
         # alloc_extend / alloc_decode (SGLang's batch allocation) are not in the TokenAllocator protocol yet.
@@ -528,9 +532,9 @@ class Engine:
         kv = req.kv
         start = kv.kv_allocated_len
         if end > start:
-            if start > 0 and self._cache.is_chunk_cache():
+            if start > 0 and self._window is not None and self._cache.is_chunk_cache():
                 # A chunk cache keeps only the window: free what left it before the next chunk (SGLang).
-                self._cache.free_window_slots([req], [start])
+                self._window.free_window_slots([req], [start])
             if not self.extend_slots(req, end):
                 return False
         if end > kv.kv_committed_len:
@@ -573,8 +577,8 @@ class Engine:
                     raise ValueError(f"request {req.rid!r} has no prefilled KV to decode after")
                 if n >= self._r2t.max_context_len:
                     raise ValueError(f"request {req.rid!r}: {n + 1} tokens exceed the row width")
-        if free_window:
-            self._cache.free_window_slots(reqs, lens)
+        if free_window and self._window is not None:
+            self._window.free_window_slots(reqs, lens)
         dev = self._r2t.req_to_token.device
         lens_cpu = torch.tensor(lens, dtype=torch.int64)
         seq = lens_cpu.to(dev)
@@ -595,7 +599,8 @@ class Engine:
         cache = self._cache
         if kv.kv_allocated_len == 0 and kv.swa_evicted_seqlen == 0:
             # release_kv_cache checks the record on the other path; this one frees through it here.
-            kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len, windowed=cache.windowed)
+            kv.check_fields(f"request {req.rid!r}", self._page, self._r2t.max_context_len,
+                            windowed=self._window is not None)
             self._drop(req)
             return
         release_kv_cache(req, cache, is_insert, speculative=self.speculative)

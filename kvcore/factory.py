@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from kvcore import hookspecs
 from kvcore.cache import BasePrefixCache
+from kvcore.capabilities import check_declared
 from kvcore.config import CacheConfig, CacheInitParams, did_you_mean
 from kvcore.devices import check_device, get_device
 from kvcore.errors import DeviceUnavailable, KvcoreError, PluginError
@@ -139,6 +140,7 @@ def create_cache(name: str, **options: Any) -> BasePrefixCache:
         raise PluginError(
             f"backend {name!r}: its factory returned {type(cache).__name__}, not a kvcore.BasePrefixCache"
         )
+    check_declared(cache, name)
     cache.backend_name = name
     cache.session_page_aligned = placement.device.page_aligned_sessions
     attach_lifecycle(cache)

@@ -3,10 +3,12 @@
 A wrapper that subclasses :class:`~kvcore.cache.BasePrefixCache` and forwards
 through ``__getattr__`` silently answers with the base class's defaults for
 every name the base defines (``__getattr__`` only fires for names it lacks):
-the backend's ``sanity_check``, ``dec_swa_lock_only`` or
-``backup_request_state`` would never run.  So this class forwards the whole
-protocol explicitly, one method each, and ``tests/test_forwarding.py`` checks
-that no public name of ``BasePrefixCache`` is left to inheritance.  A wrapper
+the backend's ``sanity_check`` or ``make_room`` would never run.  So this class
+forwards the whole protocol explicitly, one method each: the core calls, the
+backend's declared ``capabilities`` and the calls of every capability protocol
+(:mod:`kvcore.capabilities`), so one wrapper serves every capability set.
+``tests/test_forwarding.py`` checks that no public name of ``BasePrefixCache``
+and no protocol call is left to inheritance or to ``__getattr__``.  A wrapper
 (``StreamingSession``) subclasses it and overrides only what it changes.
 
 ``__getattr__`` still reads through for backend-specific names outside the
@@ -17,7 +19,7 @@ those have no base default that could shadow them.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +27,7 @@ from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult,
 from kvcore.keys import KeyLike
 
 if TYPE_CHECKING:
+    from kvcore.capabilities import Capability, SparseCache, StatefulCache, WindowedCache, WindowLockRelease
     from kvcore.pools.views import PoolView
     from kvcore.record import Req, ReqKvInfo
 
@@ -68,20 +71,12 @@ class ForwardingCache(BasePrefixCache[Any]):
         return self.inner.session_page_aligned
 
     @property
-    def windowed(self) -> bool:  # type: ignore[override]
-        return self.inner.windowed
+    def capabilities(self) -> frozenset[Capability]:  # type: ignore[override]
+        return self.inner.capabilities
 
     @property
     def root_node(self) -> Any:
         return self.inner.root_node
-
-    @property
-    def supports_window_lock_release(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_window_lock_release
-
-    @property
-    def reports_evictions(self) -> bool:  # type: ignore[override]
-        return self.inner.reports_evictions
 
     # -- lookups and updates -------------------------------------------------
     def match_prefix(self, key: KeyLike, *args: Any, **kwargs: Any) -> MatchResult:
@@ -113,9 +108,6 @@ class ForwardingCache(BasePrefixCache[Any]):
 
     def dec_lock_ref(self, node: Any, lock: LockResult | None = None) -> LockResult:
         return self.inner.dec_lock_ref(node, lock)
-
-    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
-        return self.inner.dec_swa_lock_only(node, lock)
 
     def check_req(self, req: Req, what: str) -> None:
         self.inner.check_req(req, what)
@@ -171,30 +163,34 @@ class ForwardingCache(BasePrefixCache[Any]):
     def sanity_check(self) -> None:
         self.inner.sanity_check()
 
-    def sparse_top_k(self) -> int:
-        return self.inner.sparse_top_k()
-
-    def on_decode_step(self, reqs: Sequence[Req], selections: torch.Tensor) -> Any:
-        return self.inner.on_decode_step(reqs, selections)
-
     def session_slots(self) -> list[Any]:
         return self.inner.session_slots()
 
-    # -- per-request state ---------------------------------------------------
-    def backup_request_state(self, req: Req) -> Any:
-        return self.inner.backup_request_state(req)
-
-    def restore_request_state(self, req: Req, state: Any) -> None:
-        self.inner.restore_request_state(req, state)
-
-    def request_state_slots(self, kv: ReqKvInfo) -> int:
-        return self.inner.request_state_slots(kv)
-
-    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-        return self.inner.free_window_slots(reqs, pre_lens)
-
     def rebase_on_match(self, req: Req, match: MatchResult, committed: int) -> int:
         return self.inner.rebase_on_match(req, match, committed)
+
+    # -- the capabilities' calls (kvcore.capabilities): forwarded whatever the backend declares; callers reach
+    # them only through the accessors, which read the forwarded declaration.
+    def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
+        return cast("WindowLockRelease", self.inner).dec_swa_lock_only(node, lock)
+
+    def backup_request_state(self, req: Req) -> Any:
+        return cast("StatefulCache", self.inner).backup_request_state(req)
+
+    def restore_request_state(self, req: Req, state: Any) -> None:
+        cast("StatefulCache", self.inner).restore_request_state(req, state)
+
+    def request_state_slots(self, kv: ReqKvInfo) -> int:
+        return cast("StatefulCache", self.inner).request_state_slots(kv)
+
+    def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
+        return cast("WindowedCache", self.inner).free_window_slots(reqs, pre_lens)
+
+    def sparse_top_k(self) -> int:
+        return cast("SparseCache", self.inner).sparse_top_k()
+
+    def on_decode_step(self, reqs: Sequence[Req], selections: torch.Tensor) -> Any:
+        return cast("SparseCache", self.inner).on_decode_step(reqs, selections)
 
     # -- release -------------------------------------------------------------
     def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:

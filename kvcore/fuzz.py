@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
+from kvcore.capabilities import windowed
 from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation
 from kvcore.factory import create_cache
@@ -491,15 +492,15 @@ class _Driver:
             ops.append(("cache_unfinished_req on another cache", lambda: other.cache_unfinished_req(req), True))
             ops.append(("corrupted committed length", self._corrupted(req, "kv_committed_len", row.kv_allocated_len + 1,
                                                                       lambda: self.engine.finish(req)), True))
-            if self.inner.windowed:
+            win, other_win = windowed(self.cache), windowed(other)
+            if win is not None and other_win is not None:
                 ops.append(("window cursor past committed",
                             self._corrupted(req, "swa_evicted_seqlen", row.kv_committed_len + 4 * ps,
-                                            lambda: self.cache.free_window_slots([req])), True))
+                                            lambda: win.free_window_slots([req])), True))
                 ops.append(("float window floor", self._corrupted(req, "swa_evict_floor", 2.5,
-                                                                  lambda: self.cache.free_window_slots([req])), True))
-                ops.append(("pre_lens longer than the batch",
-                            lambda: self.cache.free_window_slots([req], [1, 2]), True))
-                ops.append(("window free on another cache", lambda: other.free_window_slots([req]), True))
+                                                                  lambda: win.free_window_slots([req])), True))
+                ops.append(("pre_lens longer than the batch", lambda: win.free_window_slots([req], [1, 2]), True))
+                ops.append(("window free on another cache", lambda: other_win.free_window_slots([req]), True))
             if req in self.decoding:
                 ops.append(("decode batch naming a request twice", lambda: self.engine.decode([req, req]), True))
             busy = [r.session_id for r in live if r.session_id is not None and r.session_id in self.cache.slots

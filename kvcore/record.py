@@ -9,7 +9,6 @@ import torch
 
 if TYPE_CHECKING:
     from kvcore.cache import LockResult
-    from kvcore.tree.resume import ResumePoint
 
 __all__ = ["ReqKvInfo", "Req", "RetractionBackup", "ceil_align", "floor_align"]
 
@@ -78,9 +77,6 @@ class ReqKvInfo:
     components: dict[str, Any] = field(default_factory=dict)
     # Host-side KV backup the request holds across a retraction (``kvcore.retraction.offload_kv_cache``).
     retraction_backup: RetractionBackup | None = None
-    # Where the next cache_unfinished_req may resume its insert (kvcore.tree.resume.ResumePoint): the
-    # tree's slots of [0, cache_protected_len) and the locked node they end on.  A cache's, checked before use.
-    resume: ResumePoint | None = field(default=None, repr=False, compare=False)
 
     def swa_dead_lo(self, page_size: int) -> int:
         """Lowest position whose window slot this record may free itself."""
@@ -236,7 +232,6 @@ class Req:
         self.lock = None
         kv.cache_protected_len = 0
         kv.kv_committed_len = 0
-        kv.resume = None
         kv.components.clear()
         self.is_retracted = True
 

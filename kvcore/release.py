@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvcore.capabilities import Capability
 from kvcore.record import ceil_align, floor_align
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def release_kv_cache(req: Req, cache: BasePrefixCache, is_insert: bool = True, *
     if not kv.is_held and kv.is_released:
         return  # holds nothing: released already, or never admitted
     kv.check_fields(f"request {req.rid!r}", cache.page_size, cache.req_to_token_pool.max_context_len,
-                    windowed=cache.windowed)
+                    windowed=Capability.WINDOWED in cache.capabilities)
     _check_released_iff_not_held(req, "before release")
     effective = req.effective_kv_committed_len()
     if not speculative and effective == kv.kv_committed_len and kv.kv_committed_len != kv.kv_allocated_len:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcore.capabilities import stateful
 from kvcore.record import RetractionBackup
 
 if TYPE_CHECKING:
@@ -43,8 +44,9 @@ def offload_kv_cache(req: Req, req_to_token_pool: ReqToTokenPool, cache: BasePre
     The copy goes to ``req.kv.retraction_backup`` so that :func:`load_kv_cache` can put
     it back after the request was released and re-allocated.  The K/V comes from
     ``cache.kv_pool`` (None: nothing to copy, the backup keeps only the length);
-    the state from ``cache.backup_request_state(req)`` (a protocol method, so a
-    recurrent-state backend adds its state without the core knowing it).
+    the state from ``backup_request_state(req)`` of a cache that declares
+    ``Capability.REQUEST_STATE``, so a recurrent-state backend adds its state
+    without the core knowing it.
     """
     slots = _backup_positions(req, req_to_token_pool, "offload_kv_cache")
     kv_pool = cache.kv_pool if cache is not None else None
@@ -57,7 +59,8 @@ def offload_kv_cache(req: Req, req_to_token_pool: ReqToTokenPool, cache: BasePre
             k, v = kv_pool.get_kv_buffer(i)
             at = slots.to(k.device)
             cpu.append((k.view(-1, h, d)[at].to("cpu", copy=True), v.view(-1, h, d)[at].to("cpu", copy=True)))
-    state = cache.backup_request_state(req) if cache is not None else None
+    holder = stateful(cache) if cache is not None else None
+    state = holder.backup_request_state(req) if holder is not None else None
     backup = RetractionBackup(num_tokens=int(slots.numel()), cpu_tensors=cpu, state=state)
     req.kv.retraction_backup = backup
     return backup
@@ -79,8 +82,10 @@ def load_kv_cache(req: Req, req_to_token_pool: ReqToTokenPool, cache: BasePrefix
             f"its row now covers {int(slots.numel())}"
         )
     kv_pool = cache.kv_pool if cache is not None else None
-    if backup.state is not None and cache is None:
-        raise ValueError(f"load_kv_cache: request {req.rid!r} backed up state; pass the cache")
+    holder = stateful(cache) if cache is not None else None
+    if backup.state is not None and holder is None:
+        raise ValueError(f"load_kv_cache: request {req.rid!r} backed up state; pass the cache that holds "
+                         "per-request state (Capability.REQUEST_STATE)")
     if backup.cpu_tensors is not None:
         if kv_pool is None:
             raise ValueError(f"load_kv_cache: request {req.rid!r} backed up K/V but the cache has no K/V buffer")
@@ -88,7 +93,7 @@ def load_kv_cache(req: Req, req_to_token_pool: ReqToTokenPool, cache: BasePrefix
             dev = kv_pool.get_key_buffer(i).device
             kv_pool.set_kv_buffer(i, slots.to(dev), k.to(dev), v.to(dev))
     if backup.state is not None:
-        assert cache is not None
-        cache.restore_request_state(req, backup.state)
+        assert holder is not None
+        holder.restore_request_state(req, backup.state)
     req.kv.retraction_backup = None
     return backup

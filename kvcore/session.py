@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcore.cache import BasePrefixCache, LockResult, MatchResult
+from kvcore.capabilities import stateful
 from kvcore.forwarding import ForwardingCache
 from kvcore.keys import as_radix_key
 from kvcore.record import ReqKvInfo, ceil_align, floor_align
@@ -146,7 +147,7 @@ class StreamingSession(ForwardingCache):
         freed so the new turn recomputes those positions.  A turn that differs
         inside the part the tree holds (the first turn's matched prefix) is
         refused with ValueError, nothing changed: end the session and admit the
-        request afresh.  A backend with a per-request recurrent state (``request_state_slots``:
+        request afresh.  A backend with a per-request recurrent state (``Capability.REQUEST_STATE``:
         mamba) cannot rewind it, so a turn that does not extend the whole previous
         record ends the session and the tree matches it afresh.  On pools that reuse only whole pages
         (``inner.session_page_aligned``, SGLang's NPU rule) the reused prefix is
@@ -164,7 +165,8 @@ class StreamingSession(ForwardingCache):
         else:
             prefix_len = common_prefix_len(slot.token_ids, key.token_ids, limit)
         page = self.page_size
-        if prefix_len < kv.kv_committed_len and self.inner.request_state_slots(kv):
+        holder = stateful(self.inner)
+        if prefix_len < kv.kv_committed_len and holder is not None and holder.request_state_slots(kv):
             # A recurrent state (mamba) summarises every position the record committed and cannot be
             # rewound to the common prefix: reusing the record would compute the turn from a stale
             # state.  End the session; the tree matches the turn afresh (its states are per node).
@@ -255,12 +257,14 @@ class StreamingSession(ForwardingCache):
     def session_held_mamba_slots(self, active_pool_idxs: set[int] | None = None) -> int:
         """State-pool slots session slots hold (not counting slots a live request runs on).
 
-        SGLang's name; the count comes from the backend (``request_state_slots``),
-        0 for backends without a per-request state pool.
+        SGLang's name; the count comes from the backend (``request_state_slots`` of
+        ``Capability.REQUEST_STATE``), 0 for backends without a per-request state pool.
         """
-        inner = self.inner
+        holder = stateful(self.inner)
+        if holder is None:
+            return 0
         return sum(
-            inner.request_state_slots(s.kv)
+            holder.request_state_slots(s.kv)
             for s in self.slots.values()
             if not (active_pool_idxs and s.kv.req_pool_idx in active_pool_idxs)
         )
@@ -346,7 +350,7 @@ class StreamingSession(ForwardingCache):
     def dec_swa_lock_only(self, node: Any, lock: LockResult | None = None) -> LockResult:
         if isinstance(node, SessionNode):
             return LockResult()
-        return self.inner.dec_swa_lock_only(node, lock)
+        return super().dec_swa_lock_only(node, lock)
 
     def check_node_locked(self, node: Any, what: str) -> None:
         # A turn on a session's record locks nothing in the tree (the session holds the first turn's lock).

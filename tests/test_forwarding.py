@@ -2,8 +2,9 @@
 
 A wrapper that forwarded through ``__getattr__`` answered every name the base class
 defines with the base default (a session's ``sanity_check`` checked nothing).  These
-tests fail for any public name of ``BasePrefixCache`` that a wrapper leaves to
-inheritance, on every installed backend.
+tests fail for any public name of ``BasePrefixCache`` or call of a capability protocol
+(``kvcore.capabilities``) that a wrapper leaves to inheritance or to ``__getattr__``, on
+every installed backend.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import kvcore
 from kvcore import BasePrefixCache, InvariantChecker, StreamingSession
 from kvcore.cache import MatchResult
+from kvcore.capabilities import PROTOCOL_CALLS, Capability, window_lock_release
 from kvcore.forwarding import ForwardingCache
 from kvcore.testing import make_req
 
@@ -27,11 +29,13 @@ ANSWERED_BY_SESSION = {"session_slots"}
 
 
 def protocol_methods() -> list[str]:
-    return sorted(
+    """The core calls and every capability protocol's calls."""
+    core = {
         name
         for name, member in inspect.getmembers(BasePrefixCache)
         if not name.startswith("_") and callable(member) and not isinstance(member, type)
-    )
+    }
+    return sorted(core.union(*PROTOCOL_CALLS.values()))
 
 
 def declared_attributes() -> list[str]:
@@ -39,7 +43,7 @@ def declared_attributes() -> list[str]:
     return sorted(
         name
         for name, value in vars(BasePrefixCache).items()
-        if not name.startswith("_") and isinstance(value, (bool, str))
+        if not name.startswith("_") and isinstance(value, (bool, str, frozenset))
     )
 
 
@@ -130,7 +134,8 @@ def test_window_lock_release_through_a_session(backend: str) -> None:
     inner = kvcore.create_cache(backend, size=256, swa_size=256, sliding_window_size=4, max_num_reqs=4,
                                 max_context_len=64)
     session = StreamingSession(inner)
-    assert session.supports_window_lock_release
+    assert Capability.WINDOW_LOCK_RELEASE in session.capabilities
+    assert window_lock_release(session) is session
     engine = kvcore.Engine(session)
     req = make_req("r", list(range(1, 17)))
     assert engine.admit(req)

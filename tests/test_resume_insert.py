@@ -100,7 +100,7 @@ class Side:
     def lifecycle(self, req: Req, call) -> object:
         """``call`` (a cache_unfinished_req or cache_finished_req of ``req``), on this side's path."""
         if not self.resume:
-            req.kv.resume = None  # the whole-prefix path, as before the resumed insert
+            self.cache.forget_resume_point(req.kv)  # the whole-prefix path, as before the resumed insert
         return call()
 
     def state(self) -> tuple:
@@ -315,13 +315,14 @@ def test_resumed_prefix_indices_are_a_view_with_stable_content(backend: str) -> 
         assert s.engine.extend(req, req.kv.kv_committed_len + 16)
         seen.append((req.prefix_indices, req.prefix_indices.tolist()))
         if req.kv.cache_protected_len:  # (mamba at pages > 1 caches only its tracked snapshots)
-            assert req.kv.resume is not None and req.kv.resume.length == req.kv.cache_protected_len
+            rp = s.cache.resume_point(req.kv)
+            assert rp is not None and rp.length == req.kv.cache_protected_len
     row = s.cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     assert req.prefix_indices.tolist() == row[: req.kv.kv_committed_len].tolist()
     for t, content in seen:  # a later chunk never rewrites what an earlier answer showed
         assert t.tolist() == content and t.dtype == torch.int64
     s.engine.finish(s.reqs.pop("long"))
-    assert req.kv.resume is None
+    assert s.cache.resume_point(req.kv) is None and not s.cache.resume_points
 
 
 @pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
@@ -345,7 +346,7 @@ def _moved(resume: bool, move) -> tuple:
     for end in (16, 32):
         s.lifecycle(req, lambda end=end: s.engine.extend(req, end))
     if resume:
-        rp = req.kv.resume
+        rp = s.cache.resume_point(req.kv)
         assert rp is not None and rp.node is req.last_node and rp.length == 32
     move(req)
     try:
@@ -403,7 +404,7 @@ def test_a_garbage_row_is_refused_before_anything_changes(backend: str, resumed:
     saved = int(row[pos])
     row[pos] = slot
     if not resumed:
-        a.kv.resume = None
+        s.cache.forget_resume_point(a.kv)
     s.state()  # (takes the setup's KV events)
     before = s.state()
     with pytest.raises(ValueError, match="request 'a'"):
@@ -463,7 +464,7 @@ def test_fewer_ids_than_committed_is_refused_before_any_component_acts(backend: 
     assert s.engine.admit(req) and s.engine.extend(req, 16) and s.engine.extend(req, 32)
     assert s.engine.extend_slots(req, 40)
     if not resumed:
-        req.kv.resume = None
+        s.cache.forget_resume_point(req.kv)
     req.kv.kv_committed_len = 40
     ids = req.origin_input_ids
     req.origin_input_ids = ids[:36]
@@ -475,3 +476,64 @@ def test_fewer_ids_than_committed_is_refused_before_any_component_acts(backend: 
     req.origin_input_ids = ids
     s.engine.finish(s.reqs.pop("r"))
     InvariantChecker(s.cache).check([])
+
+
+@pytest.mark.parametrize("backend", BACKENDS + COMPONENT_SETS)
+@pytest.mark.parametrize("end", ["finish", "abort", "retract", "offload"])
+def test_the_tree_keeps_no_resume_point_past_the_request(backend: str, end: str) -> None:
+    """The resume points are the tree's (by row), not the record's: every way a request ends drops its point,
+    and the row's next request, on the same prefix, makes its own."""
+    s = Side(backend, 4, "lru", True)
+    prompt = list(range(2, 60))
+    req = Req("r", prompt)
+    s.reqs["r"] = req
+    assert s.engine.admit(req) and s.engine.extend(req, 16) and s.engine.extend(req, 32)
+    row = req.kv.req_pool_idx
+    assert s.cache.resume_point(req.kv) is s.cache.resume_points.get(row)
+    had_point = s.cache.resume_point(req.kv) is not None
+    if end == "finish":
+        s.engine.finish(req)
+    elif end == "abort":
+        s.engine.abort(req)
+    else:
+        s.engine.retract(req, mode="recompute" if end == "retract" else "offload")
+    s.reqs.pop("r")
+    assert not s.cache.resume_points, f"{backend}: a resume point outlived its request ({end})"
+    nxt = Req("n", list(prompt))
+    s.reqs["n"] = nxt
+    assert s.engine.admit(nxt) and s.engine.extend(nxt, 48)
+    assert nxt.kv.req_pool_idx == row or not had_point
+    rp = s.cache.resume_point(nxt.kv)
+    assert rp is None or (rp.node is nxt.last_node and rp.length == nxt.kv.cache_protected_len)
+    s.engine.finish(s.reqs.pop("n"))
+    assert not s.cache.resume_points
+    InvariantChecker(s.cache).check(owners=[])
+
+
+def _row_freed_behind_the_cache(resume: bool, same_prompt: bool) -> tuple:
+    s = Side("radix", 4, "lru", resume)
+    a = Req("a", list(range(2, 60)))
+    assert s.engine.admit(a) and s.engine.extend(a, 16) and s.engine.extend(a, 32)
+    row = a.kv.req_pool_idx
+    # An engine that frees a request's lock and row itself, without the cache: the row's point stays behind.
+    s.cache.dec_lock_ref(a.last_node, a.lock)
+    s.cache.free_kv_row(a.kv, [(a.kv.cache_protected_len, a.kv.kv_allocated_len)])
+    s.cache.req_to_token_pool.free(a)
+    b = Req("b", list(range(2, 60)) if same_prompt else list(range(200, 260)))
+    s.reqs["b"] = b
+    assert s.engine.admit(b) and b.kv.req_pool_idx == row
+    out = []
+    for end in (40, 48, 56):
+        s.lifecycle(b, lambda end=end: s.engine.extend(b, end))
+        out.append(s.state())
+    s.lifecycle(b, lambda: s.engine.finish(s.reqs.pop("b")))
+    out.append(s.state())
+    InvariantChecker(s.cache).check(owners=[])
+    return tuple(out)
+
+
+@pytest.mark.parametrize("same_prompt", [True, False])
+def test_a_point_left_on_a_row_answers_as_the_whole_prefix_path(same_prompt: bool) -> None:
+    """A point is used only where the request's own lock holds its node at its depth: the row's next request
+    (on the same prefix, or another) gets the whole-prefix path's answers either way."""
+    assert _row_freed_behind_the_cache(True, same_prompt) == _row_freed_behind_the_cache(False, same_prompt)

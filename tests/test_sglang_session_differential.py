@@ -53,6 +53,7 @@ class Inner:
     kv_pool = None
     disable = False
     metrics_collector = None
+    capabilities: frozenset = frozenset()
 
     def __init__(self, page: int, page_aligned: bool = False) -> None:
         self.page_size = page
@@ -70,8 +71,6 @@ class Inner:
     def dec_lock_ref(self, node, params=None):
         self.unlocked.append(node)
 
-    def request_state_slots(self, kv) -> int:
-        return 0
 
 
 class SgSession:

@@ -33,6 +33,7 @@ from kvcore.bench.lifecycle import PdDecode, resume_retracted, retract_job
 from kvcore.bench.metrics import Metrics, RunResult
 from kvcore.bench.spec import RequestSpec, Workload, token_list
 from kvcore.bench.timer import Stopwatch
+from kvcore.capabilities import WindowLockRelease, sparse, window_lock_release, windowed
 from kvcore.engine import Engine
 from kvcore.errors import InvariantViolation, KvcoreError
 from kvcore.record import Req, ceil_align
@@ -213,7 +214,9 @@ class ServingLoop:
         token_pools = [v for v in cache.pools() if v.record_slots is None]
         # (name, allocator, windowed) per token pool: rooms() runs for every admission.
         self._room_pools = [(v.name, v.allocator, v.windowed) for v in token_pools]
-        self.windowed = any(v.windowed for v in token_pools)
+        # The window frees the scheduler calls (None without a window): what the cache declares.
+        self.window_frees = windowed(self.cache)
+        self.windowed = self.window_frees is not None
         self.window = int(opts.get("sliding_window_size", 0)) if self.windowed else 0
         if self.windowed:
             self.result.window_per_request_peak = 0
@@ -228,13 +231,14 @@ class ServingLoop:
         # --workload pd-decode: requests arrive as KV transfers (kvcore.bench.lifecycle).
         self.pd = PdDecode(self, cfg.transfer_steps) if workload.params.get("pd_decode") else None
         # A sparse-attention backend reads a top-k selection of the context each decode step.
-        self.sparse = cache if cache.sparse_top_k() > 0 else None
+        self.sparse = sparse(cache)
         if self.sparse is not None:
             from kvcore.bench.workloads import TopKSelector
 
-            self.selector = TopKSelector(cache.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
+            self.selector = TopKSelector(self.sparse.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
         self.req_to_token_pool = cache.req_to_token_pool
-        self.release_lock = self._window_lock_release(cache)
+        self.lock_release = self._window_lock_release(self.cache)
+        self.release_lock = self.lock_release is not None
         self._check_fits(token_pools)
         # scheduler state
         self.step = 0
@@ -266,16 +270,17 @@ class ServingLoop:
         return make_kv_writer(cache, self.dev, rows=max(cfg.chunk_size, cfg.max_num_reqs),
                               layers=cfg.kv_layers, heads=cfg.kv_heads, head_dim=cfg.kv_head_dim)
 
-    def _window_lock_release(self, cache: Any) -> bool:
+    def _window_lock_release(self, cache: Any) -> WindowLockRelease | None:
         """SGLANG_OPT_SWA_RELEASE_LEAF_LOCK_AFTER_WINDOW: once a request decoded past the window, its
         prefix's window lock goes back (dec_swa_lock_only).  A backend without a window has none to release."""
         if not (self.cfg.release_window_lock and self.windowed):
-            return False
-        if not cache.supports_window_lock_release:  # declared by the backend, never probed by calling
+            return None
+        release = window_lock_release(cache)  # declared by the backend, never probed by calling
+        if release is None:
             raise BenchSetupError(
                 f"--release-window-lock: backend {type(cache).__name__} cannot release a window lock early "
-                "(supports_window_lock_release is False)")
-        return True
+                "(it does not declare Capability.WINDOW_LOCK_RELEASE)")
+        return release
 
     # ------------------------------------------------------ the policies' interface
     def fits(self, need: int) -> bool:
@@ -518,7 +523,8 @@ class ServingLoop:
                 due.append(job)
         # One allocator free for the whole batch, as a scheduler would do it.
         with self.engine_time:
-            self.engine.cache.free_window_slots([job.req for job in due])
+            assert self.window_frees is not None
+            self.window_frees.free_window_slots([job.req for job in due])
         # What a decoding request holds at most: what it keeps now plus the tokens
         # it decodes before its next window free.
         held = 0
@@ -532,7 +538,8 @@ class ServingLoop:
     def _release_window_locks(self) -> None:
         """Give back the window part of the prefix lock of every request that decoded ``window`` tokens."""
         heap = self.lock_heap
-        cache = self.cache
+        release = self.lock_release
+        assert release is not None
         while heap and heap[0][0] <= self.decode_round:
             _, _, gen, job = heapq.heappop(heap)
             req = job.req
@@ -540,7 +547,7 @@ class ServingLoop:
             if gen != job.gen or req.lock is None or req.last_node is None or isinstance(req.last_node, SessionNode):
                 continue
             with self.engine_time:
-                cache.dec_swa_lock_only(req.last_node, req.lock)
+                release.dec_swa_lock_only(req.last_node, req.lock)
             self.result.window_lock_releases += 1
 
     def _decode(self) -> int:

@@ -37,6 +37,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
+from kvcore.capabilities import WindowedCache, WindowLockRelease, window_lock_release, windowed
 from kvcore.engine import Engine
 from kvcore.invariants import InvariantChecker
 from kvcore.keys import RadixKey
@@ -72,6 +73,23 @@ def pool_available(cache: BasePrefixCache) -> dict[str, int]:
     return {v.name: v.available() for v in cache.pools()}
 
 
+def declared_window(cache: BasePrefixCache) -> WindowedCache:
+    """``cache`` as a windowed cache; AssertionError naming the backend when it does not declare
+    ``Capability.WINDOWED`` (every backend this kit tests frees window slots as requests decode)."""
+    window = windowed(cache)
+    assert window is not None, f"{type(cache).__name__} does not declare Capability.WINDOWED: the SWA kit needs it"
+    return window
+
+
+def declared_lock_release(cache: BasePrefixCache) -> WindowLockRelease:
+    """``cache`` as a :class:`~kvcore.capabilities.WindowLockRelease`; AssertionError naming the backend when it
+    does not declare ``Capability.WINDOW_LOCK_RELEASE`` (SGLang's SWA trees and chunk caches all answer it)."""
+    release = window_lock_release(cache)
+    assert release is not None, (
+        f"{type(cache).__name__} does not declare Capability.WINDOW_LOCK_RELEASE: the SWA kit releases window locks")
+    return release
+
+
 class SWAEngine:
     """A test engine over :class:`kvcore.engine.Engine` that keeps the requests alive now.
 
@@ -93,6 +111,7 @@ class SWAEngine:
         sanity_check: Callable[[], Any] | None = None,
     ) -> None:
         self.cache = cache
+        self.window = declared_window(cache)
         self.engine = Engine(cache, cache_prompt=False, release_idle_sessions=False)
         self.checker = InvariantChecker(cache)
         self.live: list[Req] = []
@@ -127,19 +146,19 @@ class SWAEngine:
             if not eng.extend(req, end, chunked=end < total):
                 raise MemoryError(f"cannot allocate slots up to {end} for {req.rid!r}")
             if self.cache.is_chunk_cache():
-                eng.cache.free_window_slots([req])
+                self.window.free_window_slots([req])
 
     def decode(self, req: Req, token: int) -> None:
         eng = self.engine
         if not eng.decode([req], [token], free_window=False):
             raise MemoryError(f"cannot allocate a decode slot for {req.rid!r}")
-        eng.cache.free_window_slots([req])
+        self.window.free_window_slots([req])
         n = self._decoded[id(req)] = self._decoded.get(id(req), 0) + 1
         after = self.release_window_lock_after
         if after is not None and n == after:
             lock = req.lock
             if req.last_node is not None and lock is not None and not lock.swa_released:
-                self.cache.dec_swa_lock_only(req.last_node, lock)
+                declared_lock_release(self.cache).dec_swa_lock_only(req.last_node, lock)
 
     def finish(self, req: Req, is_insert: bool = True) -> None:
         self.live.remove(req)
@@ -190,7 +209,7 @@ class SWACacheStateMachine(CacheStateMachine):
             return
         if self.cache.is_chunk_cache():
             return
-        self.cache.dec_swa_lock_only(node, lock)
+        declared_lock_release(self.cache).dec_swa_lock_only(node, lock)
 
     @rule()
     def sanity(self) -> None:

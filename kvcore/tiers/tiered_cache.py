@@ -20,7 +20,7 @@ leaves the tree's internals alone:
   page holds which store key (the tree's own slots, read back with a match after
   the tree took the request); the backend's ``evict`` reports the slots it is
   about to free (``BasePrefixCache.evicting``, a backend declaring
-  ``reports_evictions``), and their pages are copied to the host tier and queued
+  ``Capability.EVICTION_REPORTS``), and their pages are copied to the host tier and queued
   for the store before they are freed.
 - ``flush()``: sends the queued pages to the store in one ``batch_set``; the
   bench calls it at the end of each step, never on the match path.
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvcore.cache import BasePrefixCache, MatchResult, SlotOwner
+from kvcore.capabilities import Capability
 from kvcore.config import CacheInitParams
 from kvcore.keys import RadixKey
 from kvcore.pools import PoolView
@@ -417,12 +418,13 @@ def tiered(backend: type[BasePrefixCache],
             return backend(params)
         if check is not None:
             check(params)
-        if config.host_write_policy == "write_back" and not backend.reports_evictions:
-            raise ValueError(f"host_write_policy='write_back' needs a backend whose evict reports what it frees; "
-                             f"{backend.__name__} does not (reports_evictions)")
         if params.kv_pool is None:
             raise ValueError("host_size and store need kv_buffer")
         cache = cls(params)
+        # Declared per instance (a component set may or may not report): asked of the built cache.
+        if config.host_write_policy == "write_back" and Capability.EVICTION_REPORTS not in cache.capabilities:
+            raise ValueError(f"host_write_policy='write_back' needs a backend whose evict reports what it frees; "
+                             f"{backend.__name__} does not (Capability.EVICTION_REPORTS)")
         cache._init_tiers(config)
         return cache
 

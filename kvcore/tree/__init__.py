@@ -89,8 +89,9 @@ Resumed inserts
     :class:`ResumableInsert` (a mixin before ``BasePrefixCache``): a running request's next
     prefill chunk goes in from its locked node with only its new tokens and slots, as the
     whole-prefix re-insert would leave everything; the backend supplies ``resume_insert``,
-    ``resume_stamp`` and ``resume_lock``.  :class:`ResumePoint` is what a record keeps for it:
-    the locked node and a buffer of the path's slots, grown by :func:`grow_slots`;
+    ``resume_stamp`` and ``resume_lock``.  :class:`ResumePoint` is what the tree keeps for a running
+    request (by row, in ``resume_points``): the locked node and a buffer of the path's slots, grown by
+    :func:`grow_slots`;
     :func:`path_below` writes the slots of the nodes a resumed insert hung below the
     locked node (the one tree resumes its component sets with these too).
 

@@ -21,6 +21,14 @@ per-node parts (:meth:`ResumableInsert.resume_insert`,
 calls :meth:`ResumableInsert.resume_unfinished` first in ``cache_unfinished_req``
 (and :meth:`ResumableInsert.resume_finished` in ``cache_finished_req``: the last
 insert of a request also covers only what it added).
+The resume points are the tree's own state (:attr:`ResumableInsert.resume_points`,
+by request row), not a field of the request's record: a record stays plain data,
+a record on another cache has no point there, and an engine's own record type (a
+view of SGLang's, say) needs no field for it.  A point is used only where the
+request's own lock holds the node it names, at the depth it names: its slots are
+then the tree's slots of that request's path, whichever request it was made for
+(a row's point outlives its request only where a row was freed without the cache:
+it is replaced or dropped by the row's next request).
 Whenever the precondition is not proven (no resume point of this cache, the
 request's node or protected length moved, another namespace, the lock given back,
 fewer ids than committed) it answers False and the backend runs SGLang's
@@ -60,17 +68,15 @@ __all__ = ["ResumePoint", "ResumableInsert", "grow_slots", "path_below"]
 
 @dataclass(slots=True, eq=False)
 class ResumePoint:
-    """Where a running request's next insert may start (``ReqKvInfo.resume``).
+    """Where a running request's next insert may start (kept by the tree, by request row).
 
-    ``cache``: the cache that made it (a record on another cache never resumes
-    there).  ``node``: the request's locked node then; ``length``: the tokens from
+    ``node``: the request's locked node then; ``length``: the tokens from
     the root to its end (the record's ``cache_protected_len`` then).  ``slots``:
     int64, at least ``length`` long, ``slots[:length]`` the tree's slots on that
     path.  Positions below ``length`` are never written again, so the views of
     ``slots`` handed out as ``prefix_indices`` keep their content.
     """
 
-    cache: Any
     node: Any
     length: int
     slots: torch.Tensor
@@ -112,6 +118,13 @@ class ResumableInsert:
     backend implements the three per-node parts below.
     """
 
+    #: The running requests' resume points, by req_to_token row (at most one per row: bounded by the pool).
+    resume_points: dict[int, ResumePoint]
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params)  # type: ignore[call-arg]  # the BasePrefixCache it is mixed into
+        self.resume_points = {}
+
     if TYPE_CHECKING:
         root_node: Any
         page_size: int
@@ -122,7 +135,6 @@ class ResumableInsert:
 
         def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None: ...
 
-        def release_req_lock(self, req: Req) -> None: ...
 
     # -- the backend's parts ---------------------------------------------------
 
@@ -157,9 +169,9 @@ class ResumableInsert:
         when that is not proven: no resume point of this cache, the request's node or protected length
         moved, another namespace, the cache disabled, fewer ids than committed.  Changes nothing."""
         kv = req.kv
-        rp = kv.resume
+        rp = self.resume_point(kv)
         node = req.last_node
-        if rp is None or rp.cache is not self or rp.node is not node or self.disable:
+        if rp is None or rp.node is not node or self.disable:
             return None
         base = kv.cache_protected_len
         if rp.length != base or base <= 0 or node.extra_key != req.extra_key or req.seqlen < kv.kv_committed_len:
@@ -187,7 +199,7 @@ class ResumableInsert:
         if upper is None:
             return None
         kv = req.kv
-        rp = kv.resume
+        rp = self.resume_points[kv.req_pool_idx]  # type: ignore[index]  # resume_path found it
         base = kv.cache_protected_len
         committed = kv.kv_committed_len
         aligned = floor_align(committed, self.page_size)
@@ -257,13 +269,33 @@ class ResumableInsert:
         self.release_req_lock(req)
         return True
 
+    def resume_point(self, kv: ReqKvInfo) -> ResumePoint | None:
+        """The resume point this tree keeps for the row of the record ``kv``, or None."""
+        return self.resume_points.get(kv.req_pool_idx)  # type: ignore[arg-type]
+
+    def keep_resume_point(self, req: Req, slots: torch.Tensor) -> None:
+        """The next chunk of ``req`` may resume from its locked node: ``slots[:cache_protected_len]`` are the
+        tree's slots of its path (the buffer is kept, not copied; positions below that are never written)."""
+        kv = req.kv
+        self.resume_points[kv.req_pool_idx] = ResumePoint(  # type: ignore[index]
+            req.last_node, kv.cache_protected_len, slots)
+
+    def forget_resume_point(self, kv: ReqKvInfo) -> None:
+        """Drop the resume point of the record's row (its lock went back, or the whole-prefix path proved nothing)."""
+        self.resume_points.pop(kv.req_pool_idx, None)  # type: ignore[arg-type]
+
+    def release_req_lock(self, req: Req) -> None:
+        """The lock's release, and with it the resume point that names the lock's node."""
+        self.forget_resume_point(req.kv)
+        super().release_req_lock(req)  # type: ignore[misc]
+
     def note_resume_point(self, req: Req, indices: torch.Tensor) -> None:
         """After the whole-prefix path: ``indices`` are the tree's slots of ``[0, cache_protected_len)``."""
         n = int(indices.numel())
         kv = req.kv
         if n == 0 or n != kv.cache_protected_len or req.last_node is None:
-            kv.resume = None
+            self.forget_resume_point(kv)
             return
         slots = torch.empty((2 * n,), dtype=torch.int64, device=indices.device)
         slots[:n] = indices
-        kv.resume = ResumePoint(self, req.last_node, n, slots)
+        self.keep_resume_point(req, slots)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvcore.cache import BasePrefixCache, EvictResult, InsertResult, LockResult, MatchResult, SlotOwner
+from kvcore.capabilities import Capability
 from kvcore.components import TreeComponent, get_component
 from kvcore.keys import KeyLike, RadixKey, as_radix_key, check_token_ids
 from kvcore.pools import TokenToKVPoolAllocator
@@ -46,7 +47,6 @@ from kvcore.tree import (
     KVEventLog,
     Node,
     ResumableInsert,
-    ResumePoint,
     alloc_value,
     check_evict_count,
     check_locked,
@@ -131,7 +131,6 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
 
     # What the components need of it differs (the swa component's full/window pools): typed loosely.
     token_to_kv_pool_allocator: Any
-    reports_evictions = True
     # RadixCache semantics read it once per call; tests may replace it on an instance (an itertools counter).
     clock = staticmethod(time.monotonic)
 
@@ -178,9 +177,12 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         self.by_name = {c.name: c for c in comps}
         self.full: Any = comps[0]  # the full component (FullComponent: added(), ...)
         self.aux: tuple[TreeComponent, ...] = tuple(comps[1:])
-        # dec_swa_lock_only answers when a component holds a window lock (swa).
-        self._holds_window_locks = any(c.window_lock for c in self.aux)
-        self.windowed = self._holds_window_locks
+        # What the set can do beyond the core calls: evictions are reported always; the rest is what the
+        # components give it (swa: a window and its early lock release; mamba: per-request state).
+        self.capabilities = frozenset({Capability.EVICTION_REPORTS}).union(*(c.capabilities for c in self.aux))
+        # The component whose window free_window_slots frees, and the one whose lock dec_swa_lock_only gives back.
+        self._window: Any = next((c for c in self.aux if Capability.WINDOWED in c.capabilities), None)
+        self._window_lock: Any = next((c for c in self.aux if Capability.WINDOW_LOCK_RELEASE in c.capabilities), None)
         self._node_fields: dict[str, Any] = {}
         for c in self.aux:
             self._node_fields.update(c.node_fields)
@@ -1067,13 +1069,13 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         """Release the window part of ``lock`` early (and the lower-priority locks on ``node``)."""
         if node is None or self.disable or node is self.root_node:
             return LockResult(0)
-        swa = next((c for c in self.aux if c.window_lock), None)
+        swa = self._window_lock
         if swa is None:
             self._path(node, "dec_swa_lock_only")
             raise NotImplementedError(
                 f"dec_swa_lock_only: {node!r} holds no window lock to give back: components "
                 f"{tuple(c.name for c in self.components)!r} have no swa component; check "
-                "supports_window_lock_release first (nothing was changed)"
+                "Capability.WINDOW_LOCK_RELEASE in cache.capabilities first (nothing was changed)"
             )
         self._path(node, "dec_swa_lock_only")
         if lock is not None:
@@ -1087,14 +1089,14 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
             return LockResult(0, None, {"swa_delta": 0})
         # Without a lock on node itself, the walk up would give back window locks other requests hold.
         # (A lock record from elsewhere, without swa_tokens, may have taken none: it is not refused.)
-        gone = not swa.window_locked(node, lock) and (lock is None or took is not None)  # type: ignore[attr-defined]
+        gone = not swa.window_locked(node, lock) and (lock is None or took is not None)
         if node.lock_ref <= 0 or gone:
             raise ValueError(
                 f"dec_swa_lock_only: {node!r} holds no window lock to give back; pass the node and the lock "
                 "that inc_lock_ref returned, once (nothing was changed)"
             )
         before = swa.protected_size()
-        swa.release_window(node, lock)  # type: ignore[attr-defined]
+        swa.release_window(node, lock)
         for c in self.aux:
             if c.internal_priority < swa.internal_priority:
                 c.unlock(node, lock)
@@ -1194,20 +1196,15 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
     # ------------------------------------------------------------------ window frees
 
     def free_window_slots(self, reqs: Sequence[Req], pre_lens: Sequence[int] | None = None) -> int:
-        swa = next((c for c in self.aux if c.window_lock), None)
+        swa = self._window
         if swa is None:
             return 0
         if pre_lens is None:
             pre_lens = [req.kv.kv_allocated_len for req in reqs]
         return free_swa_out_of_window_slots_batch(
-            reqs, pre_lens, sliding_window_size=swa.window,  # type: ignore[attr-defined]
+            reqs, pre_lens, sliding_window_size=swa.window,
             page_size=self.page_size, req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator, is_chunk_cache=False)
-
-    @property
-    def supports_window_lock_release(self) -> bool:  # type: ignore[override]
-        """Whether ``dec_swa_lock_only`` answers: a component of the set holds window locks (swa)."""
-        return self._holds_window_locks
 
     # ------------------------------------------------------------------ requests
 
@@ -1374,7 +1371,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         req.last_node = new_node
         req.lock = lock
         if resumed:
-            kv.resume = ResumePoint(self, new_node, new_len, new)
+            self.keep_resume_point(req, new)
         else:
             self.note_resume_point(req, new[:new_len])
 
@@ -1390,7 +1387,7 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         the resume point's buffer.  A chunk costs its own length plus the path's depth.
         """
         kv = req.kv
-        rp = kv.resume
+        rp = self.resume_point(kv)
         assert rp is not None
         base = kv.cache_protected_len
         aligned = floor_align(eff, self.page_size)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.cache import SlotOwner
+from kvcore.capabilities import Capability
 from kvcore.chunk_cache import ChunkCache
 from kvcore.pools.views import PoolView
 from kvcore_hisparse.config import HiSparseConfig
@@ -36,6 +37,7 @@ class HiSparseCache(ChunkCache):
 
     token_to_kv_pool_allocator: HiSparseTokenToKVPoolAllocator
     kv_pool: HiSparseTokenToKVPool
+    capabilities = frozenset({Capability.SPARSE})
 
     def __init__(self, params: CacheInitParams):
         config = params.config

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from kvcore.cache import InsertResult, LockResult, MatchResult, SlotOwner
+from kvcore.capabilities import Capability
 from kvcore.pools.mamba_pool import (
     MambaRequestStates,
     MambaRequestTable,
@@ -56,6 +57,7 @@ class MambaComponent(LRUValueComponent):
     internal_priority = 0
     options = MambaOptions
     lru_label = "mamba LRU"
+    capabilities = frozenset({Capability.REQUEST_STATE})
     node_fields = {"mamba_value": None, "mamba_lock_ref": 0, "mamba_prev": None, "mamba_next": None}
     cache: UnifiedRadixCache
 

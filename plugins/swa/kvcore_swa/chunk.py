@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvcore.cache import EvictResult, InsertResult, LockResult, MatchResult
+from kvcore.capabilities import Capability
 from kvcore.chunk_cache import ChunkCache
 from kvcore.keys import KeyLike, checked_key
 from kvcore.tree import check_evict_count
@@ -29,7 +30,8 @@ class SWAChunkCache(SlidingWindowMixin, ChunkCache):
     the request's ``swa_evicted_seqlen``.
     """
 
-    supports_window_lock_release = True  # nothing is locked: the early release is a no-op
+    # Nothing is locked: the early release is a no-op, answered so a scheduler need not tell the two apart.
+    capabilities = frozenset({Capability.WINDOWED, Capability.WINDOW_LOCK_RELEASE})
 
     token_to_kv_pool_allocator: SWATokenToKVPoolAllocator
 

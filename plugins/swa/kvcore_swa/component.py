@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvcore.cache import LockResult, SlotOwner
+from kvcore.capabilities import Capability
 from kvcore.tree.node import iter_subtree
 from kvcore.tree.value_component import LRUValueComponent
 from kvcore_swa.config import check_window, check_window_pool
@@ -47,7 +48,7 @@ class SWAComponent(LRUValueComponent):
     pool = "swa"
     internal_priority = 1
     options = SWAOptions
-    window_lock = True
+    capabilities = frozenset({Capability.WINDOWED, Capability.WINDOW_LOCK_RELEASE})
     lru_label = "window LRU"
     node_fields = {"swa_value": None, "swa_lock_ref": 0, "swa_uuid": None, "swa_prev": None, "swa_next": None}
     cache: UnifiedRadixCache

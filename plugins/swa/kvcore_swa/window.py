@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvcore.cache import EvictResult
+from kvcore.capabilities import Capability
 from kvcore.release import free_swa_out_of_window_slots_batch
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class SlidingWindowMixin:
     sliding_window_size: int
     page_size: int
     req_to_token_pool: ReqToTokenPool
-    windowed = True
+    capabilities = frozenset({Capability.WINDOWED})
 
     if TYPE_CHECKING:
 

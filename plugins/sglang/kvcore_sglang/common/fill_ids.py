@@ -63,11 +63,10 @@ class RequestTables:
     ``ids``: those of a request in chunked prefill, kept from chunk to chunk until it finishes.
     """
 
-    __slots__ = ("locks", "resumes", "ids", "matched")
+    __slots__ = ("locks", "ids", "matched")
 
     def __init__(self) -> None:
         self.locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.resumes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.matched: MatchedIds | None = None
 

@@ -11,7 +11,6 @@ module's request views override these.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -29,19 +28,15 @@ class KvRecordView:
     ``committed`` overrides ``kv_committed_len`` for one call: SGLang hands
     ``cache_finished_req`` the length to cache (``kv_len_to_handle``, which
     ``strip_thinking_cache`` shortens) and caches ``len(fill_ids)`` in
-    ``cache_unfinished_req``; kvcore's backends read it from the record.
-    ``resume`` (kvcore's resume point, which SGLang's record has no field for) lives
-    in ``resumes``, the cache's table keyed by SGLang's ``Req`` (``owner``).
+    ``cache_unfinished_req``; kvcore's backends read it from the record.  (kvcore's
+    resume points are the tree's own, by row: the record needs no field for them.)
     """
 
-    __slots__ = ("sglang", "_committed", "_resumes", "_owner")
+    __slots__ = ("sglang", "_committed")
 
-    def __init__(self, kv: Any, committed: int | None = None, resumes: weakref.WeakKeyDictionary | None = None,
-                 owner: Any = None):
+    def __init__(self, kv: Any, committed: int | None = None):
         self.sglang = kv
         self._committed = committed
-        self._resumes = resumes
-        self._owner = owner
 
     @property
     def req_pool_idx(self) -> int | None:
@@ -78,20 +73,6 @@ class KvRecordView:
     @swa_evicted_seqlen.setter
     def swa_evicted_seqlen(self, value: int) -> None:
         self.sglang.swa_evicted_seqlen = value
-
-    @property
-    def resume(self) -> Any:
-        """Where the request's next chunk may be inserted from (None: the whole-prefix path)."""
-        return None if self._resumes is None else self._resumes.get(self._owner)
-
-    @resume.setter
-    def resume(self, value: Any) -> None:
-        if self._resumes is None:
-            return
-        if value is None:
-            self._resumes.pop(self._owner, None)
-        else:
-            self._resumes[self._owner] = value
 
     def swa_dead_lo(self, page_size: int) -> int:
         return int(self.sglang.swa_dead_lo(page_size))
@@ -173,7 +154,7 @@ class ReqView:
 
     def __init__(self, req: Any, fill_ids: FillIds, committed: int | None, tables: RequestTables):
         self.sglang = req
-        self.kv = KvRecordView(req.kv, committed, tables.resumes, req)
+        self.kv = KvRecordView(req.kv, committed)
         self._fill = fill_ids
         self._fill_list: list[int] | None = None
         self._locks = tables.locks

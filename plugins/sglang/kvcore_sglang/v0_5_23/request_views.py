@@ -68,7 +68,7 @@ class ReqView023(ReqView):
 
     def __init__(self, req: Any, fill_ids: FillIds, committed: int | None, tables: RequestTables):
         super().__init__(req, fill_ids, committed, tables)
-        self.kv = KvRecordView023(req.kv, committed, tables.resumes, req)
+        self.kv = KvRecordView023(req.kv, committed)
 
     @property
     def lock(self) -> Any:

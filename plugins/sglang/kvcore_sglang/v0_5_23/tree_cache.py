@@ -167,7 +167,6 @@ class KvcoreTreeCache(KvcoreCacheCore, BasePrefixCache):
         self.kvcore_cache.free_kv_row(KvRecordView023(kv), coalesce_ranges(ranges))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
-        self._tables.resumes.pop(req, None)
         self._tables.ids.pop(req, None)
 
     # -- SGLang's lock objects on the request (eviction, inc/dec_lock_ref and the sizes: KvcoreCacheCore)
