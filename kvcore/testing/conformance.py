@@ -11,6 +11,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from kvcore.capabilities import check_declared, sparse, stateful, window_lock_release, windowed
 from kvcore.keys import RadixKey
 from kvcore.record import floor_align
 from kvcore.testing.helpers import (
@@ -197,6 +198,26 @@ class PrefixCacheConformance:
         assert cache.token_to_kv_pool_allocator.page_size == page_size
         assert cache.req_to_token_pool.size == 8
         assert cache.evictable_size() == cache.protected_size() == 0
+        check_invariants(cache)
+
+    def test_declared_capabilities_answer(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
+        """What the cache declares in ``capabilities`` (:mod:`kvcore.capabilities`) it defines and answers,
+        through a request's life; what it does not declare no caller reaches (the accessors answer None)."""
+        cache = build()
+        check_declared(cache, type(cache).__name__)
+        views = (windowed(cache), window_lock_release(cache), stateful(cache), sparse(cache))
+        assert all(v is None or v is cache for v in views)
+        req = make_req("declared", list(range(1, 3 * page_size + 2)))
+        assert admit(cache, req) and prefill(cache, req)
+        decode(cache, req, 2)
+        win, state, sp = views[0], views[2], views[3]
+        if win is not None:
+            assert win.free_window_slots([req]) >= 0
+        if state is not None:
+            assert state.request_state_slots(req.kv) >= 0
+        if sp is not None:
+            assert sp.sparse_top_k() > 0
+        finish(cache, req)
         check_invariants(cache)
 
     def test_empty_cache_matches_nothing(self, build: Callable[..., BasePrefixCache], page_size: int) -> None:
