@@ -537,3 +537,12 @@ def test_a_point_left_on_a_row_answers_as_the_whole_prefix_path(same_prompt: boo
     """A point is used only where the request's own lock holds its node at its depth: the row's next request
     (on the same prefix, or another) gets the whole-prefix path's answers either way."""
     assert _row_freed_behind_the_cache(True, same_prompt) == _row_freed_behind_the_cache(False, same_prompt)
+
+
+def test_the_mixin_goes_before_the_base_class() -> None:
+    """Its table of resume points is set up by its own ``__init__``, which runs only before BasePrefixCache's."""
+    from kvcore import BasePrefixCache
+    from kvcore.tree import ResumableInsert
+
+    with pytest.raises(TypeError, match=r"Wrong: mix ResumableInsert in before BasePrefixCache"):
+        type("Wrong", (BasePrefixCache, ResumableInsert), {})

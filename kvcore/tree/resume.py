@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvcore.cache import LockResult
+from kvcore.cache import BasePrefixCache, LockResult
 from kvcore.record import floor_align
 
 if TYPE_CHECKING:
@@ -124,6 +124,14 @@ class ResumableInsert:
     def __init__(self, params: Any) -> None:
         super().__init__(params)  # type: ignore[call-arg]  # the BasePrefixCache it is mixed into
         self.resume_points = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Mixed in after BasePrefixCache, this __init__ would never run (the base's does not chain on).
+        mro = cls.__mro__
+        if BasePrefixCache in mro and mro.index(BasePrefixCache) < mro.index(ResumableInsert):
+            raise TypeError(f"{cls.__name__}: mix ResumableInsert in before BasePrefixCache "
+                            f"(class {cls.__name__}(ResumableInsert, BasePrefixCache))")
 
     if TYPE_CHECKING:
         root_node: Any
