@@ -134,13 +134,19 @@ class SparseCache(Protocol):
         ...
 
 
-#: The calls each capability adds (what :func:`check_declared` and the forwarding wrapper's meta-test read).
+_PROTOCOLS: dict[Capability, type | None] = {
+    Capability.WINDOWED: WindowedCache,
+    Capability.WINDOW_LOCK_RELEASE: WindowLockRelease,
+    Capability.REQUEST_STATE: StatefulCache,
+    Capability.SPARSE: SparseCache,
+    Capability.EVICTION_REPORTS: None,  # the cache calls its own evicting(): nothing for a caller to reach
+}
+
+#: The calls each capability adds, read off its protocol (what :func:`check_declared` and the forwarding
+#: wrapper's meta-test read).
 PROTOCOL_CALLS: dict[Capability, tuple[str, ...]] = {
-    Capability.WINDOWED: ("free_window_slots",),
-    Capability.WINDOW_LOCK_RELEASE: ("dec_swa_lock_only",),
-    Capability.REQUEST_STATE: ("backup_request_state", "restore_request_state", "request_state_slots"),
-    Capability.SPARSE: ("sparse_top_k", "on_decode_step"),
-    Capability.EVICTION_REPORTS: (),
+    cap: () if proto is None else tuple(n for n, v in vars(proto).items() if not n.startswith("_") and callable(v))
+    for cap, proto in _PROTOCOLS.items()
 }
 
 

@@ -238,7 +238,6 @@ class ServingLoop:
             self.selector = TopKSelector(self.sparse.sparse_top_k(), cfg.topk_locality, seed=workload.seed)
         self.req_to_token_pool = cache.req_to_token_pool
         self.lock_release = self._window_lock_release(self.cache)
-        self.release_lock = self.lock_release is not None
         self._check_fits(token_pools)
         # scheduler state
         self.step = 0
@@ -468,7 +467,7 @@ class ServingLoop:
         heapq.heappush(self.finish_heap, (job.end_round, job.seq, job.gen, job))
         if self.windowed:
             self._push_window(job)
-        if self.release_lock:
+        if self.lock_release is not None:
             heapq.heappush(self.lock_heap, (g + self.window, job.seq, job.gen, job))
         self._batch.stale = True
 

@@ -91,9 +91,8 @@ Resumed inserts
     whole-prefix re-insert would leave everything; the backend supplies ``resume_insert``,
     ``resume_stamp`` and ``resume_lock``.  :class:`ResumePoint` is what the tree keeps for a running
     request (by row, in ``resume_points``): the locked node and a buffer of the path's slots, grown by
-    :func:`grow_slots`;
-    :func:`path_below` writes the slots of the nodes a resumed insert hung below the
-    locked node (the one tree resumes its component sets with these too).
+    :func:`grow_slots`; :func:`path_below` writes the slots of the nodes a resumed insert hung below
+    the locked node (the one tree resumes its component sets with these too).
 
 KV events
     :mod:`kvcore.tree.events`: :class:`PageStored`, :class:`PageRemoved`,
