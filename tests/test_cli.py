@@ -171,6 +171,9 @@ def test_backend_opt_is_validated_by_the_backends_own_config(capsys):
     assert json.loads(out)["options"]["enable_kv_events"] is True
     for opt, needle in (("enable_kv_events=maybe", "--backend-opt enable_kv_events: Input should be a valid boolean"),
                         ("fanout=3", "no backend of this run (radix) takes option 'fanout'"),
+                        ("eviction_polcy=lru", "takes option 'eviction_polcy'; did you mean 'eviction_policy'?"),
+                        ("radix:eviction_polcy=lru",
+                         "takes no option 'eviction_polcy'; did you mean 'eviction_policy'?"),
                         ("size=10", "the bench sets size itself; use --size"),
                         ("chunk:disable=true", "'chunk' is not a backend of this run"),
                         ("nonsense", "write key=value")):

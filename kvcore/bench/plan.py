@@ -25,6 +25,7 @@ from kvcore.backend_options import OptionError, format_validation_error, parse_b
 from kvcore.bench.loop import BenchConfig, cache_options
 from kvcore.bench.options import DEFAULT_SIZE, MAX_SLOTS, BenchOptions
 from kvcore.bench.spec import Workload
+from kvcore.config import did_you_mean
 
 __all__ = ["BenchPlan", "plan_bench", "BENCH_MANAGED"]
 
@@ -250,7 +251,8 @@ def _route_options(opts: BenchOptions, plan: BenchPlan, configs: Mapping[str, ty
             raise OptionError(f"--backend-opt {key}: the bench sets {key} itself" + (f"; use {use}" if use else ""))
         if target is not None:
             if not _takes(configs[target], key):
-                raise OptionError(f"--backend-opt {target}:{key}: backend {target!r} takes no option {key!r} "
+                raise OptionError(f"--backend-opt {target}:{key}: backend {target!r} takes no option {key!r}"
+                                  f"{did_you_mean(key, configs[target].model_fields)} "
                                   f"(its options: {', '.join(configs[target].model_fields)})")
             plan.backend_options.setdefault(target, {})[key] = value
             continue
@@ -266,7 +268,8 @@ def _note_takers(what: str, key: str, plan: BenchPlan, configs: Mapping[str, typ
               if (key in configs[n].model_fields if declared else _takes(configs[n], key))]
     others = [n for n in plan.run_names if n not in takers]
     if not takers:
-        raise OptionError(f"{what}: no backend of this run ({', '.join(plan.run_names)}) takes option {key!r}")
+        raise OptionError(f"{what}: no backend of this run ({', '.join(plan.run_names)}) takes option {key!r}"
+                          f"{did_you_mean(key, (f for n in plan.run_names for f in configs[n].model_fields))}")
     if others:
         plan.notes.append(f"{what} reaches {', '.join(takers)}; {', '.join(others)} "
                           f"{'takes' if len(others) == 1 else 'take'} no {key} option and "

@@ -101,7 +101,7 @@ class HiSparseCache(ChunkCache):
 
     def sanity_check(self) -> None:
         coord = self.coordinator
-        for row, state in coord._states.items():
+        for row, state in coord.states_by_row():
             kv = state.kv
             assert kv.req_pool_idx == row, (
                 f"hisparse state of {state.rid!r} is filed under row {row}, its record holds {kv.req_pool_idx}"

@@ -155,6 +155,10 @@ class HiSparseCoordinator:
     def states(self) -> list[HiSparseReqState]:
         return list(self._states.values())
 
+    def states_by_row(self) -> list[tuple[int, HiSparseReqState]]:
+        """Each live state with the request row it is filed under (what ``sanity_check`` compares)."""
+        return list(self._states.items())
+
     def _attach(self, req: Req, state: HiSparseReqState) -> None:
         req.kv.components[COMPONENT] = state
         assert req.kv.req_pool_idx is not None

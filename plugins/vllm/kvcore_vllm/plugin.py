@@ -10,9 +10,15 @@ __all__ = ["SPEC_NAME", "register"]
 
 SPEC_NAME = "KvcoreOffloadingSpec"
 
+# vLLM's factory refuses a name registered twice and has no public lookup: this process remembers instead.
+_registered = False
+
 
 def register() -> None:
+    global _registered
+    if _registered:
+        return
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # type: ignore[import-not-found,unused-ignore]
 
-    if SPEC_NAME not in OffloadingSpecFactory._registry:
-        OffloadingSpecFactory.register_spec(SPEC_NAME, "kvcore_vllm.spec", "KvcoreOffloadingSpec")
+    OffloadingSpecFactory.register_spec(SPEC_NAME, "kvcore_vllm.spec", "KvcoreOffloadingSpec")
+    _registered = True

@@ -75,7 +75,8 @@ class _TreeClaims:
     claims: SlotOwnership
     ops: Any
 
-    def _unclaimed(self, slots: torch.Tensor) -> torch.Tensor:
+    def unclaimed(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` back, once no tree node owns any of them (else the refusal names the owner)."""
         if slots.numel():
             self.claims.check_unclaimed(self.ops.view(slots.reshape(-1).to(torch.int64)))
         return slots
@@ -134,21 +135,21 @@ class _AllocatorCalls(_TreeClaims):
 
     def free(self, free_index: torch.Tensor) -> None:
         if self._segment_frees:
-            self.sglang.free_segment(self._unclaimed(free_index), start_pos=0)
+            self.sglang.free_segment(self.unclaimed(free_index), start_pos=0)
         else:
-            self.sglang.free(self._unclaimed(free_index))
+            self.sglang.free(self.unclaimed(free_index))
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int = 0) -> None:
-        self.sglang.free_segment(self._unclaimed(free_index), start_pos=start_pos)
+        self.sglang.free_segment(self.unclaimed(free_index), start_pos=start_pos)
 
     def free_segments(self, segments: Sequence[tuple[torch.Tensor, int]]) -> None:
-        self.sglang.free_segments([(self._unclaimed(f), start) for f, start in segments])
+        self.sglang.free_segments([(self.unclaimed(f), start) for f, start in segments])
 
     def free_row_segments(
         self, segments: Sequence[tuple[torch.Tensor, int]], *, swa_evicted_seqlen: int = 0, swa_dead_lo: int = 0
     ) -> None:
         # SGLang's own row release: split at the window floor, then free_full / free_segments.
-        segments = [(self._unclaimed(f), start) for f, start in segments]
+        segments = [(self.unclaimed(f), start) for f, start in segments]
         free_kv_row_segments(self.sglang, segments, swa_evicted_seqlen=swa_evicted_seqlen)
 
     def free_group_begin(self) -> None:
@@ -234,7 +235,7 @@ class SWAAllocatorView(_AllocatorCalls):
         return self.sglang.full_to_swa_index_mapping[torch.as_tensor(indices).to(torch.int64)]
 
     def free_full(self, free_index: torch.Tensor) -> None:
-        self.sglang.free_full(self._unclaimed(free_index))
+        self.sglang.free_full(self.unclaimed(free_index))
 
     def free_swa(self, free_index: torch.Tensor) -> None:
         self.sglang.free_swa(free_index)
@@ -336,7 +337,7 @@ class MambaStatePoolView(_TreeClaims):
         return self.sglang.alloc(need_size)
 
     def free(self, free_index: torch.Tensor) -> None:
-        self.sglang.free(self._unclaimed(free_index.reshape(-1)))
+        self.sglang.free(self.unclaimed(free_index.reshape(-1)))
 
     def copy_from(self, src_indices: torch.Tensor, dst_indices: torch.Tensor) -> None:
         self.states.copy_from(src_indices.reshape(-1), dst_indices.reshape(-1))
@@ -368,7 +369,7 @@ class HybridReqToTokenPoolView(ReqToTokenPoolView, MambaRequestTable):
     def free_mamba_cache(self, kv: Any, keep: int | None = None) -> None:
         state = mamba_state_of(kv)
         if state is not None:
-            self.mamba_allocator._unclaimed(state.slots())
+            self.mamba_allocator.unclaimed(state.slots())
         self.sglang.free_mamba_cache(_RecordHolder(kv.sglang), mamba_ping_pong_track_buffer_to_keep=keep)
 
     def set_ping_pong_slot(self, kv: Any, idx: int, slot: torch.Tensor) -> None:
