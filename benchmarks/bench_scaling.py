@@ -8,7 +8,8 @@ side by side, in one process:
 
 * **prompt** (ns per prompt token, for each prompt length L, ``--prompt-lens``): one prompt
   of L tokens through chunked prefill in ``--chunk``-token chunks, then finish.  kvcore:
-  ``kvcore.Engine`` (admit; ``extend`` per chunk: slots by ``alloc_extend``, the row write,
+  ``kvcore.Engine`` with the README's loop (admit; while ``kv_committed_len < len(fill_ids)``,
+  ``extend`` per chunk: slots by ``alloc_extend``, the row write,
   ``cache_unfinished_req``; ``finish``).  SGLang: the same steps on its own classes and a
   minimal request stand-in (``SGReq`` of ``tools/sglang_loader.py``: the fields SGLang's
   caches read): ``match_prefix`` + ``inc_lock_ref`` + a row; per chunk its paged
@@ -77,7 +78,8 @@ def kvcore_prompt(backend: str, length: int, chunk: int) -> float:
     gc.collect()
     t = CLOCK[0]()
     assert engine.admit(req)
-    while req.kv.kv_committed_len < length:
+    # The README's loop, as an engine writes it: fill_ids is read once per chunk.
+    while req.kv.kv_committed_len < len(req.fill_ids):
         assert engine.extend(req, req.kv.kv_committed_len + chunk)
     engine.finish(req)
     spent = CLOCK[0]() - t
@@ -85,12 +87,13 @@ def kvcore_prompt(backend: str, length: int, chunk: int) -> float:
     return spent
 
 
-def kvcore_evict(backend: str, leaves: int, calls: int, free_list: bool = True) -> tuple[float, list[int]]:
+def kvcore_evict(backend: str, leaves: int, calls: int, free_list: bool = True) -> tuple[float, list[int] | None]:
     """(seconds per evict(16) call, the free list after the run) on a tree of ``leaves`` one-page leaves.
 
-    ``free_list`` False (no SGLang peer to compare it with): the free list is not read (a two-pool
-    allocator has no single one)."""
+    The free list is None with ``free_list`` False (no SGLang peer to compare it with) and for a
+    windowed backend (its two-pool allocator has no single free list to compare with RadixCache's)."""
     import kvcore
+    from kvcore.capabilities import windowed
     from tools.differential import our_free_pages
 
     cache = kvcore.create_cache(backend, size=(leaves + calls + 8) * PAGE, page_size=PAGE, max_num_reqs=4,
@@ -106,7 +109,7 @@ def kvcore_evict(backend: str, leaves: int, calls: int, free_list: bool = True) 
         cache.evict(PAGE)
         spent += CLOCK[0]() - t
     assert cache.total_size() == leaves * PAGE
-    return spent / calls, our_free_pages(alloc) if free_list else []
+    return spent / calls, our_free_pages(alloc) if free_list and windowed(cache) is None else None
 
 
 # --------------------------------------------------------------------------- SGLang 0.5.19
@@ -210,7 +213,7 @@ def measure(args: argparse.Namespace) -> dict:
     def prompt_run(name: str, n: int) -> float:
         return sglang_prompt(sg, n, args.chunk) if name == "sglang" else kvcore_prompt(name, n, args.chunk)
 
-    def evict_run(name: str, n: int) -> tuple[float, list[int]]:
+    def evict_run(name: str, n: int) -> tuple[float, list[int] | None]:
         if name == "sglang":
             return sglang_evict(sg, n, args.evict_calls)
         return kvcore_evict(name, n, args.evict_calls, free_list=sg is not None)
@@ -229,7 +232,7 @@ def measure(args: argparse.Namespace) -> dict:
         _progress(args, "prompt", n, {k: v / n * 1e9 for k, v in best.items()}, "ns/token")
     for n in sizes:
         best = {name: float("inf") for name in names}
-        free: dict[str, list[int]] = {}
+        free: dict[str, list[int] | None] = {}
         for _ in range(_repeats(args.repeat, n, max(sizes))):
             for name in names:
                 sec, free[name] = evict_run(name, n)
@@ -237,7 +240,7 @@ def measure(args: argparse.Namespace) -> dict:
         for name in names:
             out["evict_ms_per_call"][name][str(n)] = best[name] * 1e3
         if "sglang" in free:
-            out["same_victims"][str(n)] = {b: free[b] == free["sglang"] for b in backends}
+            out["same_victims"][str(n)] = {b: free[b] == free["sglang"] for b in backends if free[b] is not None}
         _progress(args, "evict", n, {k: v * 1e3 for k, v in best.items()}, "ms/call")
     out["growth"] = {what: {name: _growth(per) for name, per in out[what].items()}
                      for what in ("prompt_ns_per_token", "evict_ms_per_call")}
