@@ -175,7 +175,13 @@ class TreeComponent:
         raise NotImplementedError
 
     def on_split(self, upper: UnifiedNode, child: UnifiedNode) -> None:
-        """``child`` was cut: ``upper`` holds its first ``len(upper.key)`` tokens."""
+        """``child`` was cut: ``upper`` holds its first ``len(upper.key)`` tokens.
+
+        A component that keeps an LRU order follows the tree's ``split_recency`` option
+        (``cache.split_keeps_recency``): False (SGLang 0.5.19) puts both parts at the front,
+        ``child`` first; True (SGLang 0.5.23) leaves ``child`` where it was and puts ``upper``
+        right behind it (``LRUList.add_behind``).
+        """
 
     # -- match ----------------------------------------------------------------------
     def validator(self) -> Callable[[Any], bool]:

@@ -63,6 +63,13 @@ class LRUList:
         self._link_after(self.head, node)
         self.count += 1
 
+    def add_behind(self, anchor: Any, node: Any) -> None:
+        """Insert ``node`` (not in the list) right behind ``anchor`` (in it): the next less recently used."""
+        assert node not in self, f"{node} is already in the {self.name}"
+        assert anchor in self, f"{anchor} is not in the {self.name}"
+        self._link_after(anchor, node)
+        self.count += 1
+
     def remove(self, node: Any) -> None:
         assert node in self, f"{node} is not in the {self.name}"
         self._unlink(node)

@@ -156,6 +156,8 @@ class UnifiedRadixCache(KVEventLog, ResumableInsert, BasePrefixCache[UnifiedNode
         self.disable = bool(config.disable)
         self.eviction_policy = str(config.eviction_policy).lower()
         self.enable_kv_events = bool(config.enable_kv_events)
+        # What a split does to the node's place in each component's LRU (TreeComponent.on_split reads it).
+        self.split_keeps_recency = config.split_recency == "keep"
         # key_validation="stored": match_prefix checks no id past the cached part.
         self._check_match_tail = not (isinstance(config, RadixTreeConfig) and config.key_validation == "stored")
         # RadixCache: every registered policy (equal priorities oldest node first, or newest first for the

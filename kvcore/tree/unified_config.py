@@ -40,6 +40,12 @@ class UnifiedConfig(TieredCacheConfig):
 
     eviction_policy: str = Field("lru", description="'lru' only: each component keeps its own LRU order")
     components: tuple[str, ...] = Field(("full",), description="tree components, full first: full, swa, mamba, ...")
+    split_recency: Literal["refresh", "keep"] = Field(
+        "refresh",
+        description="a split node's place in each component's LRU: refresh (SGLang 0.5.19's UnifiedRadixCache): "
+        "both parts become the most recently used; keep (SGLang 0.5.23's): the lower part keeps its place "
+        "and the upper part goes right behind it",
+    )
 
     _component_options: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -150,6 +156,8 @@ class RadixTreeConfig(UnifiedConfig):
     policy_reason = ""
 
     eviction_policy: str = Field("lru", description="lru, lfu, fifo, mru, filo, priority, slru or a plugin's")
+    split_recency: Literal["refresh"] = Field(
+        "refresh", description="refresh only: RadixCache keeps no component LRU for a split to keep a place in")
     key_validation: Literal["full", "stored"] = Field(
         "full",
         description="full: every key is checked (TypeError/ValueError on bad ids); "

@@ -35,3 +35,8 @@ class TestMambaPaged(TestMamba):
 
     page_sizes = (4,)
     backend_options = {"mamba_cache_chunk_size": 4, "mamba_track_interval": 4}
+
+
+class TestMambaKeepSplitRecency(TestMamba):
+    # SGLang 0.5.23's split rule: the lower part keeps its place in the state LRU.
+    backend_options = {**TestMamba.backend_options, "split_recency": "keep"}

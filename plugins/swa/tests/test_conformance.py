@@ -30,3 +30,8 @@ class TestPureSWARadixConformance(PrefixCacheConformance):
 class TestPureSWAChunkConformance(PrefixCacheConformance):
     backend = "swa-pure-chunk"
     backend_options = {"sliding_window_size": 8}
+
+
+class TestSWAKeepSplitRecencyConformance(TestSWARadixConformance):
+    # SGLang 0.5.23's split rule: the lower part keeps its place in the window LRU.
+    backend_options = {**TestSWARadixConformance.backend_options, "split_recency": "keep"}
