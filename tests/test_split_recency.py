@@ -2,8 +2,8 @@
 
 ``refresh`` (the default, SGLang 0.5.19's ``UnifiedRadixCache``) puts both parts at the front, the
 lower part first; ``keep`` (SGLang 0.5.23's) leaves the lower part where it was and puts the upper
-part right behind it.  kvcore-sglang's ``test_v0_5_23_swa_tree_differential.py`` checks ``keep``
-against SGLang 0.5.23's own tree; the 0.5.19 differentials check ``refresh``.
+part right behind it.  kvcore-sglang's ``test_v0_5_23_tree_differential.py`` checks ``keep``
+against SGLang 0.5.23's own trees; the 0.5.19 differentials check ``refresh``.
 """
 
 from __future__ import annotations
