@@ -39,13 +39,12 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, ReqToTokenPoo
 from sglang.srt.mem_cache.radix_cache import RadixKey as SKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sglang.srt.runtime_context import get_context
+from sglang.srt.runtime_context import get_context, get_server_args
 
 from kvcore import InvariantChecker, RadixKey, create_cache
 from tools.differential import ids, lru_order, path_tokens, tree_rows
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
-CHUNK = 2  # the mamba chunk size (0.5.23 reads it from the server args)
 ROWS, WIDTH = 4, 256
 
 
@@ -83,9 +82,7 @@ def _state_shape() -> Any:
 
 @pytest.fixture(autouse=True)
 def scheduler_context():
-    # The mamba component reads its chunk size from the published server args (a model config otherwise).
-    with get_context().override_server_args() as server_args:
-        server_args._mamba_cache_chunk_size = CHUNK
+    with get_context().override_server_args():
         yield
 
 
@@ -101,8 +98,15 @@ class Diff:
         opts: dict[str, Any] = {"components": ("full", *parts)} if BACKENDS[parts] == "unified" else {}
         if self.swa:
             opts.update(swa_size=swa_size, sliding_window_size=window)
+        # Pages of more than one token: SGLang's extra-buffer mode (ping-pong tracking slots), a chunk of one page.
+        extra = self.mamba and page_size > 1
         if self.mamba:
-            opts.update(mamba_size=mamba_size, mamba_cache_chunk_size=CHUNK)
+            chunk = max(2, page_size)
+            # The mamba component reads its chunk size from the published server args (a model config otherwise).
+            get_server_args()._mamba_cache_chunk_size = chunk
+            opts.update(mamba_size=mamba_size, mamba_cache_chunk_size=chunk)
+            if extra:
+                opts.update(mamba_track_interval=page_size)
         self.ours = create_cache(BACKENDS[parts], size=size, page_size=page_size, max_num_reqs=ROWS,
                                  max_context_len=WIDTH, split_recency="keep", **opts)
         self.oa = self.ours.token_to_kv_pool_allocator
@@ -118,13 +122,14 @@ class Diff:
             rows: Any = HybridReqToTokenPool(size=ROWS, mamba_size=mamba_size, mamba_spec_state_size=mamba_size,
                                              max_context_len=WIDTH, device="cpu", enable_memory_saver=False,
                                              cache_params=_state_shape(), mamba_layer_ids=[0, 1],
-                                             enable_mamba_extra_buffer=False, enable_overlap_schedule=True)
+                                             enable_mamba_extra_buffer=extra, enable_overlap_schedule=True)
             self.sm = rows.mamba_allocator
         else:
             rows = ReqToTokenPool(ROWS, WIDTH, "cpu", False)
         init = CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=self.sa,
                                page_size=page_size, sliding_window_size=window if self.swa else None,
-                               tree_components=(FULL, *(SWA,) * self.swa, *(MAMBA,) * self.mamba))
+                               tree_components=(FULL, *(SWA,) * self.swa, *(MAMBA,) * self.mamba),
+                               enable_mamba_extra_buffer=extra)
         init.tree_core_backend = core
         self.theirs = UnifiedRadixCache(init)
         self.pair = torch.full((size + 2 * page_size + 2,), -1, dtype=torch.int64)
@@ -334,6 +339,7 @@ CONFIGS = [
     (("swa",), 4, 8, 256, 64, 0),
     (("mamba",), 1, 4, 96, 0, 10),
     (("mamba",), 1, 4, 160, 0, 24),
+    (("mamba",), 4, 4, 256, 0, 12),
     (("swa", "mamba"), 1, 4, 160, 40, 12),
     (("swa", "mamba"), 1, 16, 320, 96, 24),
 ]
