@@ -332,7 +332,7 @@ class Diff:
         self.eq("drained", self._free()[0][0], self.size)
 
 
-# parts, page_size, window, full pool, window pool, state slots (mamba: page 1, SGLang's mode without extra buffer)
+# parts, page_size, window, full pool, window pool, state slots (mamba at page 4: SGLang's extra-buffer mode)
 CONFIGS = [
     (("swa",), 1, 4, 160, 40, 0),
     (("swa",), 1, 16, 320, 96, 0),
