@@ -180,7 +180,8 @@ class TreeComponent:
         A component that keeps an LRU order follows the tree's ``split_recency`` option
         (``cache.split_keeps_recency``): False (SGLang 0.5.19) puts both parts at the front,
         ``child`` first; True (SGLang 0.5.23) leaves ``child`` where it was and puts ``upper``
-        right behind it (``LRUList.add_behind``).
+        right behind it.  :class:`kvcore.tree.value_component.LRUValueComponent` does it in
+        ``requeue_split(upper, child)``.
         """
 
     # -- match ----------------------------------------------------------------------

@@ -39,6 +39,24 @@ class LRUValueComponent(TreeComponent):
         self._evictable = 0
         self._protected = 0
 
+    def requeue_split(self, upper: Any, child: Any) -> None:
+        """Place a split node's parts in this component's LRU by the tree's ``split_recency``.
+
+        ``child`` (the lower part) is in the list; ``upper`` joins it when the split gave it a value.
+        SGLang 0.5.19: both go to the front, ``child`` first.  SGLang 0.5.23 (``keep``): ``child``
+        stays where it was and ``upper`` goes right behind it.
+        """
+        lru = self.lru
+        joins = getattr(upper, f"{self.name}_value") is not None
+        if self.cache.split_keeps_recency:
+            if joins:
+                lru.add_behind(child, upper)
+            return
+        lru.remove(child)
+        if joins:
+            lru.add_mru(upper)
+        lru.add_mru(child)
+
     def set_value(self, node: Any, value: torch.Tensor) -> None:
         """Give ``node`` this component's value (unlocked, most recently used)."""
         setattr(node, f"{self.name}_value", value)

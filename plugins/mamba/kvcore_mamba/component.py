@@ -138,10 +138,8 @@ class MambaComponent(LRUValueComponent):
     def on_split(self, upper: UnifiedNode, child: UnifiedNode) -> None:
         upper.mamba_value = None
         upper.mamba_lock_ref = 0
-        if child.mamba_value is not None and not self.cache.split_keeps_recency:
-            # SGLang 0.5.19 re-inserts the split child at the front of each component's LRU (0.5.23 keeps its place).
-            self.lru.remove(child)
-            self.lru.add_mru(child)
+        if child.mamba_value is not None:
+            self.requeue_split(upper, child)  # the upper part holds no state: only the child's place changes
 
     # -- match -------------------------------------------------------------------------
     def validator(self) -> Callable[[Any], bool]:

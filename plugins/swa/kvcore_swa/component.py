@@ -102,9 +102,6 @@ class SWAComponent(LRUValueComponent):
 
     def on_split(self, upper: Any, child: Any) -> None:
         has = child.swa_value is not None
-        keep = self.cache.split_keeps_recency
-        if has and not keep:
-            self.lru.remove(child)
         upper.swa_lock_ref = child.swa_lock_ref
         if has:
             k = len(upper.key)
@@ -115,11 +112,7 @@ class SWAComponent(LRUValueComponent):
         upper.swa_uuid = child.swa_uuid
         child.swa_uuid = None
         if has:
-            if keep:  # SGLang 0.5.23: the split does not use the lower part; the upper part sits beside it
-                self.lru.add_behind(child, upper)
-            else:  # SGLang 0.5.19: both to the front, the lower part first
-                self.lru.add_mru(upper)
-                self.lru.add_mru(child)
+            self.requeue_split(upper, child)
 
     # -- match -------------------------------------------------------------------------
     def validator(self) -> Callable[[Any], bool]:
